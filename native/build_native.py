@@ -1,0 +1,37 @@
+"""cffi build script: compiles native/ into the extension module ringsync._native.
+
+Out-of-line API mode: setuptools runs this through `cffi_modules` in setup.py, so
+`pip install .` (or an editable install) builds the core with no separate make step.
+"""
+import os
+import re
+
+from cffi import FFI
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+INCLUDE = os.path.join(HERE, "include")
+SOURCES = ["comm.c", "transport_tcp.c", "reduce.c", "algorithms.c"]
+
+
+def public_declarations():
+    """The public header minus preprocessor lines, which cffi's cdef cannot read."""
+    with open(os.path.join(INCLUDE, "ringsync.h")) as f:
+        text = f.read()
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+
+
+ffibuilder = FFI()
+ffibuilder.cdef(public_declarations())
+ffibuilder.set_source(
+    "ringsync._native",
+    '#include "ringsync.h"',
+    # Paths relative to the project root, where setuptools runs the build.
+    sources=[os.path.relpath(os.path.join(HERE, "src", s)) for s in SOURCES],
+    include_dirs=[os.path.relpath(INCLUDE)],
+    extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+    libraries=["m"],
+)
+
+if __name__ == "__main__":
+    ffibuilder.compile(verbose=True)

@@ -1,0 +1,97 @@
+/* ringsync native core: the one public header.
+ *
+ * This file is read twice: by the C compiler, and by cffi's cdef (the build script
+ * strips the preprocessor lines). Keep it to plain declarations cffi understands.
+ *
+ * Every call returns an rs_status_t. On failure the communicator's last-error string
+ * (rs_comm_last_error) says what happened in words. RS_ERR_COMM and RS_ERR_TIMEOUT are
+ * "recoverable" errors: the communicator is broken and must be rebuilt. RS_ERR_USAGE and
+ * RS_ERR_NOMEM leave the communicator usable for the next call.
+ */
+#ifndef RINGSYNC_H
+#define RINGSYNC_H
+#include <stddef.h>
+#include <stdint.h>
+
+typedef enum {
+    RS_OK = 0,
+    RS_ERR_USAGE = 1,   /* bad arguments; the communicator still works */
+    RS_ERR_NOMEM = 2,   /* allocation failed; the communicator still works */
+    RS_ERR_COMM = 3,    /* a peer connection broke; the communicator is broken */
+    RS_ERR_TIMEOUT = 4, /* no progress before the deadline; the communicator is broken */
+    RS_ERR_SYSTEM = 5   /* a system call failed while setting up */
+} rs_status_t;
+
+typedef enum {
+    RS_UINT8 = 0,
+    RS_INT8 = 1,
+    RS_INT32 = 2,
+    RS_INT64 = 3,
+    RS_FLOAT16 = 4,
+    RS_BFLOAT16 = 5,
+    RS_FLOAT32 = 6,
+    RS_FLOAT64 = 7
+} rs_dtype_t;
+
+typedef enum {
+    RS_OP_SUM = 0,
+    RS_OP_AVERAGE = 1,
+    RS_OP_MIN = 2,
+    RS_OP_MAX = 3,
+    RS_OP_PRODUCT = 4
+} rs_op_t;
+
+typedef struct rs_comm rs_comm_t;
+
+const char *rs_version(void);
+size_t rs_dtype_size(rs_dtype_t dtype);
+
+/* --- communicator lifecycle (bootstrap hands in addresses; no MPI here) --- */
+
+/* Create a communicator for `rank` of `size` and open its listening socket on
+ * bind_host (numeric IPv4/IPv6; "" = all interfaces). The chosen port is returned. */
+rs_status_t rs_comm_create(int rank, int size, const char *bind_host, double timeout_seconds,
+                           rs_comm_t **out_comm, int *out_port);
+/* Connect to every peer. hosts[i]/ports[i] say where rank i listens; host_names[i] is the
+ * peer's host name, used only in error messages. `token` identifies this job so that a
+ * stray connection is rejected. */
+rs_status_t rs_comm_connect(rs_comm_t *comm, const char **hosts, const int *ports,
+                            const char **host_names, uint64_t token);
+/* Break every connection now (peers see the failure); the communicator stays allocated. */
+rs_status_t rs_comm_abort(rs_comm_t *comm);
+void rs_comm_destroy(rs_comm_t *comm);
+const char *rs_comm_last_error(const rs_comm_t *comm);
+int rs_comm_rank(const rs_comm_t *comm);
+int rs_comm_size(const rs_comm_t *comm);
+/* Non-zero once a recoverable error has broken this communicator. */
+int rs_comm_is_broken(const rs_comm_t *comm);
+
+/* --- collectives (blocking; release the GIL through cffi) --- */
+
+/* Ring allreduce of `count` elements from sendbuf into recvbuf (they may be equal). */
+rs_status_t rs_allreduce(rs_comm_t *comm, const void *sendbuf, void *recvbuf, size_t count,
+                         rs_dtype_t dtype, rs_op_t op, double prescale, double postscale);
+/* recvbuf receives `counts[i]` elements from every rank i in rank order. Element
+ * size is elem_bytes (data is moved, not reduced). */
+rs_status_t rs_allgatherv(rs_comm_t *comm, const void *sendbuf, void *recvbuf,
+                          const int64_t *counts, size_t elem_bytes);
+/* Pipelined chain broadcast of `bytes` bytes from root (in place). */
+rs_status_t rs_broadcast(rs_comm_t *comm, void *buf, size_t bytes, int root);
+/* sendbuf holds sum(counts) elements; rank i receives the reduction of block i
+ * (counts[i] elements) into recvbuf. */
+rs_status_t rs_reducescatter(rs_comm_t *comm, const void *sendbuf, void *recvbuf,
+                             const int64_t *counts, rs_dtype_t dtype, rs_op_t op,
+                             double prescale, double postscale);
+/* Rank r sends send_counts[i] bytes to rank i (blocks in rank order in sendbuf) and
+ * receives recv_counts[i] bytes from rank i (in rank order in recvbuf). */
+rs_status_t rs_alltoallv(rs_comm_t *comm, const void *sendbuf, const int64_t *send_counts,
+                         void *recvbuf, const int64_t *recv_counts);
+rs_status_t rs_barrier(rs_comm_t *comm);
+
+/* Apply a reduction to two local buffers: inout[i] = op(inout[i], in[i]). Exposed for tests. */
+rs_status_t rs_reduce_local(void *inout, const void *in, size_t count, rs_dtype_t dtype,
+                            rs_op_t op);
+/* buf[i] *= factor, computed in float32/float64 (integers are truncated toward zero). */
+rs_status_t rs_scale_local(void *buf, size_t count, rs_dtype_t dtype, double factor);
+
+#endif

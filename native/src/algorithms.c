@@ -1,0 +1,266 @@
+/* Collective algorithms over a transport table. They see only the communicator's
+ * rank, size and transfers to peers; the transport decides how bytes move. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+/* Received data is reduced in pieces of this size while the rest is still arriving,
+ * so that reduction overlaps transfer within each ring step. */
+#define RS_REDUCE_SEGMENT_BYTES (256 * 1024)
+
+static int mod(int a, int n) { return ((a % n) + n) % n; }
+static int left_of(const rs_comm_t *c) { return mod(c->rank - 1, c->size); }
+static int right_of(const rs_comm_t *c) { return mod(c->rank + 1, c->size); }
+
+static rs_xfer_t send_to(int peer, const void *buf, size_t len) {
+    rs_xfer_t x = {.peer = peer, .is_send = 1, .buf = (char *)buf, .len = len};
+    return x;
+}
+
+static rs_xfer_t recv_from(int peer, void *buf, size_t len) {
+    rs_xfer_t x = {.peer = peer, .is_send = 0, .buf = (char *)buf, .len = len};
+    return x;
+}
+
+/* Block layout of a buffer split among ranks: counts and offsets in bytes. */
+typedef struct {
+    size_t *bytes;
+    size_t *offset;
+} blocks_t;
+
+static rs_status_t blocks_from_counts(rs_comm_t *comm, const int64_t *counts, size_t unit,
+                                      blocks_t *b, size_t *total) {
+    b->bytes = malloc(2 * (size_t)comm->size * sizeof(size_t));
+    if (!b->bytes)
+        return rs_fail(comm, RS_ERR_NOMEM, "out of memory");
+    b->offset = b->bytes + comm->size;
+    size_t at = 0;
+    for (int i = 0; i < comm->size; i++) {
+        if (counts[i] < 0) {
+            free(b->bytes);
+            return rs_fail(comm, RS_ERR_USAGE, "rank %d: negative count %lld for rank %d",
+                           comm->rank, (long long)counts[i], i);
+        }
+        b->offset[i] = at;
+        b->bytes[i] = (size_t)counts[i] * unit;
+        at += b->bytes[i];
+    }
+    *total = at;
+    return RS_OK;
+}
+
+/* Split `count` elements into size nearly equal blocks; the first count % size get one more. */
+static rs_status_t blocks_even(rs_comm_t *comm, size_t count, size_t unit, blocks_t *b) {
+    int64_t stack_counts[64] = {0};
+    int64_t *counts = comm->size <= 64 ? stack_counts : malloc((size_t)comm->size * 8);
+    if (!counts)
+        return rs_fail(comm, RS_ERR_NOMEM, "out of memory");
+    for (int i = 0; i < comm->size; i++)
+        counts[i] = (int64_t)(count / (size_t)comm->size + ((size_t)i < count % (size_t)comm->size));
+    size_t total;
+    rs_status_t st = blocks_from_counts(comm, counts, unit, b, &total);
+    if (counts != stack_counts)
+        free(counts);
+    return st;
+}
+
+static rs_status_t check_reduction_args(rs_comm_t *comm, rs_dtype_t dtype, rs_op_t op) {
+    if (!rs_dtype_valid(dtype))
+        return rs_fail(comm, RS_ERR_USAGE, "unsupported dtype code %d", (int)dtype);
+    if (!rs_op_valid(op))
+        return rs_fail(comm, RS_ERR_USAGE, "unsupported reduction op code %d", (int)op);
+    return RS_OK;
+}
+
+/* Post-scaling: Average divides by the rank count, then the user's factor applies. */
+static rs_status_t finish_scale(rs_comm_t *comm, void *buf, size_t count, rs_dtype_t dtype,
+                                rs_op_t op, double postscale) {
+    double factor = postscale;
+    if (op == RS_OP_AVERAGE && rs_dtype_is_integer(dtype))
+        RS_CHECK(rs_divide_integers(buf, count, dtype, comm->size));
+    else if (op == RS_OP_AVERAGE)
+        factor /= comm->size;
+    return factor == 1.0 ? RS_OK : rs_scale_local(buf, count, dtype, factor);
+}
+
+/* ---- ring building blocks ---- */
+
+typedef struct {
+    rs_reduce_fn fn;
+    char *dst;
+    size_t elem;
+    size_t reduced; /* bytes of the block already reduced */
+} reduce_arrival_t;
+
+static void reduce_arrived(rs_xfer_t *x) {
+    reduce_arrival_t *r = (reduce_arrival_t *)x->arg;
+    size_t ready = x->done - x->done % r->elem;
+    if (x->done < x->len && ready - r->reduced < RS_REDUCE_SEGMENT_BYTES)
+        return;
+    r->fn(r->dst + r->reduced, x->buf + r->reduced, (ready - r->reduced) / r->elem);
+    r->reduced = ready;
+}
+
+/* In-place ring reduce-scatter: afterwards this rank's block `rank` holds the reduction
+ * of that block over all ranks. At step s a rank sends block rank-s-1 and reduces the
+ * incoming block rank-s-2 into its own copy, which it sends on at step s+1. */
+static rs_status_t ring_reduce_scatter(rs_comm_t *comm, char *buf, const blocks_t *b,
+                                       size_t elem, rs_reduce_fn fn) {
+    size_t largest = 0;
+    for (int i = 0; i < comm->size; i++)
+        largest = b->bytes[i] > largest ? b->bytes[i] : largest;
+    void *incoming;
+    RS_CHECK(rs_scratch(comm, largest, &incoming));
+    for (int s = 0; s < comm->size - 1; s++) {
+        int out = mod(comm->rank - s - 1, comm->size);
+        int in = mod(comm->rank - s - 2, comm->size);
+        reduce_arrival_t arrival = {fn, buf + b->offset[in], elem, 0};
+        rs_xfer_t x[2] = {send_to(right_of(comm), buf + b->offset[out], b->bytes[out]),
+                          recv_from(left_of(comm), incoming, b->bytes[in])};
+        x[1].on_recv = reduce_arrived;
+        x[1].arg = &arrival;
+        RS_CHECK(rs_progress(comm, x, 2));
+    }
+    return RS_OK;
+}
+
+/* In-place ring allgather: this rank holds block `rank`; afterwards it holds all. */
+static rs_status_t ring_allgather(rs_comm_t *comm, char *buf, const blocks_t *b) {
+    for (int s = 0; s < comm->size - 1; s++) {
+        int out = mod(comm->rank - s, comm->size);
+        int in = mod(comm->rank - s - 1, comm->size);
+        rs_xfer_t x[2] = {send_to(right_of(comm), buf + b->offset[out], b->bytes[out]),
+                          recv_from(left_of(comm), buf + b->offset[in], b->bytes[in])};
+        RS_CHECK(rs_progress(comm, x, 2));
+    }
+    return RS_OK;
+}
+
+/* ---- public collectives ---- */
+
+rs_status_t rs_allreduce(rs_comm_t *comm, const void *sendbuf, void *recvbuf, size_t count,
+                         rs_dtype_t dtype, rs_op_t op, double prescale, double postscale) {
+    RS_CHECK(check_reduction_args(comm, dtype, op));
+    size_t elem = rs_dtype_size(dtype);
+    if (count && sendbuf != recvbuf)
+        memcpy(recvbuf, sendbuf, count * elem);
+    if (prescale != 1.0)
+        RS_CHECK(rs_scale_local(recvbuf, count, dtype, prescale));
+    if (comm->size > 1 && count > 0) {
+        blocks_t b;
+        RS_CHECK(blocks_even(comm, count, elem, &b));
+        rs_status_t st = ring_reduce_scatter(comm, recvbuf, &b, elem, rs_reduce_kernel(dtype, op));
+        if (st == RS_OK)
+            st = ring_allgather(comm, recvbuf, &b);
+        free(b.bytes);
+        RS_CHECK(st);
+    }
+    return finish_scale(comm, recvbuf, count, dtype, op, postscale);
+}
+
+rs_status_t rs_reducescatter(rs_comm_t *comm, const void *sendbuf, void *recvbuf,
+                             const int64_t *counts, rs_dtype_t dtype, rs_op_t op,
+                             double prescale, double postscale) {
+    RS_CHECK(check_reduction_args(comm, dtype, op));
+    size_t elem = rs_dtype_size(dtype), total;
+    blocks_t b;
+    RS_CHECK(blocks_from_counts(comm, counts, elem, &b, &total));
+    /* The ring reduces in place, and sendbuf is the caller's: work on a copy. */
+    char *work = comm->size > 1 ? malloc(total ? total : 1) : NULL;
+    rs_status_t st = RS_OK;
+    if (comm->size > 1 && !work)
+        st = rs_fail(comm, RS_ERR_NOMEM, "cannot allocate %zu bytes", total);
+    if (st == RS_OK && work) {
+        memcpy(work, sendbuf, total);
+        if (prescale != 1.0)
+            st = rs_scale_local(work, total / elem, dtype, prescale);
+        if (st == RS_OK)
+            st = ring_reduce_scatter(comm, work, &b, elem, rs_reduce_kernel(dtype, op));
+    }
+    const char *mine = work ? work + b.offset[comm->rank] : (const char *)sendbuf;
+    size_t my_bytes = b.bytes[comm->rank];
+    if (st == RS_OK && my_bytes && recvbuf != mine)
+        memmove(recvbuf, mine, my_bytes);
+    if (st == RS_OK && !work && prescale != 1.0)
+        st = rs_scale_local(recvbuf, my_bytes / elem, dtype, prescale);
+    free(work);
+    free(b.bytes);
+    RS_CHECK(st);
+    return finish_scale(comm, recvbuf, my_bytes / elem, dtype, op, postscale);
+}
+
+rs_status_t rs_allgatherv(rs_comm_t *comm, const void *sendbuf, void *recvbuf,
+                          const int64_t *counts, size_t elem_bytes) {
+    size_t total;
+    blocks_t b;
+    RS_CHECK(blocks_from_counts(comm, counts, elem_bytes, &b, &total));
+    char *mine = (char *)recvbuf + b.offset[comm->rank];
+    if (b.bytes[comm->rank] && mine != sendbuf)
+        memmove(mine, sendbuf, b.bytes[comm->rank]);
+    rs_status_t st = comm->size > 1 ? ring_allgather(comm, recvbuf, &b) : RS_OK;
+    free(b.bytes);
+    return st;
+}
+
+/* Pipelined chain from the root around the ring: each rank forwards bytes to its right
+ * neighbour as soon as they arrive from its left one. */
+rs_status_t rs_broadcast(rs_comm_t *comm, void *buf, size_t bytes, int root) {
+    if (root < 0 || root >= comm->size)
+        return rs_fail(comm, RS_ERR_USAGE, "root rank %d is out of range [0, %d)", root,
+                       comm->size);
+    if (comm->size == 1 || bytes == 0)
+        return RS_OK;
+    int position = mod(comm->rank - root, comm->size);
+    rs_xfer_t x[2] = {recv_from(left_of(comm), buf, bytes), send_to(right_of(comm), buf, bytes)};
+    if (position == 0)
+        return rs_progress(comm, &x[1], 1);
+    if (position == comm->size - 1)
+        return rs_progress(comm, &x[0], 1);
+    x[1].avail = &x[0].done;
+    return rs_progress(comm, x, 2);
+}
+
+rs_status_t rs_alltoallv(rs_comm_t *comm, const void *sendbuf, const int64_t *send_counts,
+                         void *recvbuf, const int64_t *recv_counts) {
+    size_t send_total, recv_total;
+    blocks_t out, in;
+    RS_CHECK(blocks_from_counts(comm, send_counts, 1, &out, &send_total));
+    rs_status_t st = blocks_from_counts(comm, recv_counts, 1, &in, &recv_total);
+    if (st != RS_OK) {
+        free(out.bytes);
+        return st;
+    }
+    int r = comm->rank, n = comm->size;
+    if (out.bytes[r] != in.bytes[r])
+        st = rs_fail(comm, RS_ERR_USAGE, "rank %d: alltoall sends %zu bytes to itself but "
+                     "expects %zu", r, out.bytes[r], in.bytes[r]);
+    rs_xfer_t *x = st == RS_OK ? calloc(2 * (size_t)n, sizeof *x) : NULL;
+    if (st == RS_OK && !x)
+        st = rs_fail(comm, RS_ERR_NOMEM, "out of memory");
+    if (st == RS_OK) {
+        memmove((char *)recvbuf + in.offset[r], (const char *)sendbuf + out.offset[r], in.bytes[r]);
+        int k = 0;
+        for (int s = 1; s < n; s++) {
+            int to = mod(r + s, n), from = mod(r - s, n);
+            x[k++] = send_to(to, (const char *)sendbuf + out.offset[to], out.bytes[to]);
+            x[k++] = recv_from(from, (char *)recvbuf + in.offset[from], in.bytes[from]);
+        }
+        st = rs_progress(comm, x, k);
+    }
+    free(x);
+    free(out.bytes);
+    free(in.bytes);
+    return st;
+}
+
+/* Dissemination barrier: log2(size) rounds of one byte each. */
+rs_status_t rs_barrier(rs_comm_t *comm) {
+    for (int k = 1; k < comm->size; k <<= 1) {
+        char token = 1, incoming = 0;
+        rs_xfer_t x[2] = {send_to(mod(comm->rank + k, comm->size), &token, 1),
+                          recv_from(mod(comm->rank - k, comm->size), &incoming, 1)};
+        RS_CHECK(rs_progress(comm, x, 2));
+    }
+    return RS_OK;
+}

@@ -1,0 +1,91 @@
+/* Internal declarations shared by the native core's source files. */
+#ifndef RINGSYNC_INTERNAL_H
+#define RINGSYNC_INTERNAL_H
+
+#include "ringsync.h"
+
+#define RS_VERSION "0.1.0"
+#define RS_ERROR_LEN 1024
+
+/* Propagate a non-OK status to the caller (NCCL-style check macro). */
+#define RS_CHECK(expr)                       \
+    do {                                     \
+        rs_status_t rs_check_st_ = (expr);   \
+        if (rs_check_st_ != RS_OK)           \
+            return rs_check_st_;             \
+    } while (0)
+
+/* One wait request handed to a transport's poll: which peer, which direction. */
+typedef struct {
+    int peer;
+    int want_read;
+    int want_write;
+} rs_wait_t;
+
+/* A transport moves bytes between this rank and its peers. Algorithms only see this
+ * table, so a new transport touches no algorithm. send/recv never block: they move
+ * what the kernel accepts now and add it to *done. poll blocks until one of the
+ * waits can progress, the timeout passes (RS_OK with nothing ready is fine), or a
+ * peer breaks (an error naming it). It reports in *lost_peer a peer that hung up
+ * while not taking part in the waits (or -1): the caller decides whether to fail. */
+typedef struct rs_transport {
+    const char *name;
+    rs_status_t (*listen)(rs_comm_t *comm, const char *bind_host, int *port);
+    rs_status_t (*connect)(rs_comm_t *comm, const char **hosts, const int *ports,
+                           uint64_t token);
+    rs_status_t (*send)(rs_comm_t *comm, int peer, const char *buf, size_t len, size_t *done);
+    rs_status_t (*recv)(rs_comm_t *comm, int peer, char *buf, size_t len, size_t *done);
+    rs_status_t (*poll)(rs_comm_t *comm, const rs_wait_t *waits, int n, int timeout_ms,
+                        int *lost_peer);
+    void (*abort)(rs_comm_t *comm);
+    void (*close)(rs_comm_t *comm);
+} rs_transport_t;
+
+extern const rs_transport_t rs_tcp_transport;
+
+struct rs_comm {
+    int rank;
+    int size;
+    double timeout_seconds;
+    const rs_transport_t *transport;
+    void *transport_state;
+    char **host_names; /* per rank, for error messages */
+    int broken;
+    char last_error[RS_ERROR_LEN];
+    void *scratch; /* grows on demand; owned by the communicator, not global */
+    size_t scratch_bytes;
+};
+
+/* Record an error in words; recoverable kinds also mark the communicator broken. */
+rs_status_t rs_fail(rs_comm_t *comm, rs_status_t status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+const char *rs_peer_host(const rs_comm_t *comm, int peer);
+double rs_now(void);
+rs_status_t rs_scratch(rs_comm_t *comm, size_t bytes, void **out);
+
+/* A transfer to or from one peer, progressed together with others by rs_progress. */
+typedef struct rs_xfer rs_xfer_t;
+struct rs_xfer {
+    int peer;
+    int is_send;
+    char *buf;
+    size_t len;
+    size_t done;
+    const size_t *avail;  /* send only: bytes below *avail may go (chain forwarding) */
+    void (*on_recv)(rs_xfer_t *x); /* recv only: called after bytes arrive */
+    void *arg;
+};
+
+/* Progress all transfers until every one is done, a peer fails, or no byte has moved
+ * for the communicator's timeout. */
+rs_status_t rs_progress(rs_comm_t *comm, rs_xfer_t *xfers, int n);
+
+/* Reduction kernels (reduce.c). Average reduces as Sum; the caller scales. */
+typedef void (*rs_reduce_fn)(void *inout, const void *in, size_t count);
+rs_reduce_fn rs_reduce_kernel(rs_dtype_t dtype, rs_op_t op);
+int rs_dtype_valid(int dtype);
+int rs_dtype_is_integer(rs_dtype_t dtype);
+rs_status_t rs_divide_integers(void *buf, size_t count, rs_dtype_t dtype, int divisor);
+int rs_op_valid(int op);
+
+#endif

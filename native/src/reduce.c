@@ -1,0 +1,229 @@
+/* Reduction and scaling kernels. inout[i] = op(inout[i], in[i]).
+ * Integers wrap on overflow (as numpy does); float16 and bfloat16 are widened to
+ * float32 for every operation and rounded back to nearest-even. */
+#include <math.h>
+#include <string.h>
+
+#include "internal.h"
+
+/* ---- 16-bit float conversions (portable; no compiler extensions) ---- */
+
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exponent = (h >> 10) & 0x1fu;
+    uint32_t mantissa = h & 0x3ffu;
+    uint32_t bits;
+    if (exponent == 0) {
+        float f = (float)mantissa * (1.0f / 16777216.0f); /* subnormal: m * 2^-24 */
+        return sign ? -f : f;
+    }
+    if (exponent == 31)
+        bits = sign | 0x7f800000u | (mantissa << 13);
+    else
+        bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_half(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    uint32_t sign = (x >> 16) & 0x8000u;
+    uint32_t absx = x & 0x7fffffffu;
+    if (absx > 0x7f800000u)
+        return (uint16_t)(sign | 0x7e00u); /* NaN */
+    if (absx >= 0x477ff000u)
+        return (uint16_t)(sign | 0x7c00u); /* rounds to infinity */
+    if (absx < 0x38800000u) { /* below the smallest normal half: subnormal or zero */
+        float a;
+        memcpy(&a, &absx, sizeof a);
+        return (uint16_t)(sign | (uint32_t)nearbyintf(a * 16777216.0f));
+    }
+    absx += 0xfffu + ((absx >> 13) & 1u); /* round to nearest even at bit 13 */
+    return (uint16_t)(sign | ((absx - (112u << 23)) >> 13));
+}
+
+static inline float bf16_to_float(uint16_t b) {
+    uint32_t bits = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    if ((x & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((x >> 16) | 0x40u); /* keep NaN a NaN */
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return (uint16_t)(x >> 16);
+}
+
+/* ---- binary operations on one element ---- */
+
+#define OP_SUM(a, b) ((a) + (b))
+#define OP_PROD(a, b) ((a) * (b))
+#define OP_MIN(a, b) ((b) < (a) ? (b) : (a))
+#define OP_MAX(a, b) ((b) > (a) ? (b) : (a))
+
+/* Integer kernels compute in the unsigned type of the same width so that overflow
+ * wraps instead of being undefined behaviour. */
+#define INT_KERNEL(NAME, T, U, OP)                                              \
+    static void NAME(void *inout, const void *in, size_t n) {                   \
+        T *a = (T *)inout;                                                      \
+        const T *b = (const T *)in;                                             \
+        for (size_t i = 0; i < n; i++)                                          \
+            a[i] = (T)OP((U)a[i], (U)b[i]);                                     \
+    }
+#define CMP_KERNEL(NAME, T, OP)                                                 \
+    static void NAME(void *inout, const void *in, size_t n) {                   \
+        T *a = (T *)inout;                                                      \
+        const T *b = (const T *)in;                                             \
+        for (size_t i = 0; i < n; i++)                                          \
+            a[i] = OP(a[i], b[i]);                                              \
+    }
+#define HALF_KERNEL(NAME, TO_F, FROM_F, OP)                                     \
+    static void NAME(void *inout, const void *in, size_t n) {                   \
+        uint16_t *a = (uint16_t *)inout;                                        \
+        const uint16_t *b = (const uint16_t *)in;                               \
+        for (size_t i = 0; i < n; i++)                                          \
+            a[i] = FROM_F(OP(TO_F(a[i]), TO_F(b[i])));                          \
+    }
+
+/* Signed products: multiply as unsigned (wraps), same bits as a wrapping signed multiply. */
+INT_KERNEL(sum_u8, uint8_t, uint32_t, OP_SUM)
+INT_KERNEL(prod_u8, uint8_t, uint32_t, OP_PROD)
+CMP_KERNEL(min_u8, uint8_t, OP_MIN)
+CMP_KERNEL(max_u8, uint8_t, OP_MAX)
+INT_KERNEL(sum_i8, int8_t, uint32_t, OP_SUM)
+INT_KERNEL(prod_i8, int8_t, uint32_t, OP_PROD)
+CMP_KERNEL(min_i8, int8_t, OP_MIN)
+CMP_KERNEL(max_i8, int8_t, OP_MAX)
+INT_KERNEL(sum_i32, int32_t, uint32_t, OP_SUM)
+INT_KERNEL(prod_i32, int32_t, uint32_t, OP_PROD)
+CMP_KERNEL(min_i32, int32_t, OP_MIN)
+CMP_KERNEL(max_i32, int32_t, OP_MAX)
+INT_KERNEL(sum_i64, int64_t, uint64_t, OP_SUM)
+INT_KERNEL(prod_i64, int64_t, uint64_t, OP_PROD)
+CMP_KERNEL(min_i64, int64_t, OP_MIN)
+CMP_KERNEL(max_i64, int64_t, OP_MAX)
+CMP_KERNEL(sum_f32, float, OP_SUM)
+CMP_KERNEL(prod_f32, float, OP_PROD)
+CMP_KERNEL(min_f32, float, OP_MIN)
+CMP_KERNEL(max_f32, float, OP_MAX)
+CMP_KERNEL(sum_f64, double, OP_SUM)
+CMP_KERNEL(prod_f64, double, OP_PROD)
+CMP_KERNEL(min_f64, double, OP_MIN)
+CMP_KERNEL(max_f64, double, OP_MAX)
+HALF_KERNEL(sum_f16, half_to_float, float_to_half, OP_SUM)
+HALF_KERNEL(prod_f16, half_to_float, float_to_half, OP_PROD)
+HALF_KERNEL(min_f16, half_to_float, float_to_half, OP_MIN)
+HALF_KERNEL(max_f16, half_to_float, float_to_half, OP_MAX)
+HALF_KERNEL(sum_bf16, bf16_to_float, float_to_bf16, OP_SUM)
+HALF_KERNEL(prod_bf16, bf16_to_float, float_to_bf16, OP_PROD)
+HALF_KERNEL(min_bf16, bf16_to_float, float_to_bf16, OP_MIN)
+HALF_KERNEL(max_bf16, bf16_to_float, float_to_bf16, OP_MAX)
+
+/* Rows: dtype; columns: sum, min, max, product (Average reduces as sum). */
+static const rs_reduce_fn kernels[8][4] = {
+    [RS_UINT8] = {sum_u8, min_u8, max_u8, prod_u8},
+    [RS_INT8] = {sum_i8, min_i8, max_i8, prod_i8},
+    [RS_INT32] = {sum_i32, min_i32, max_i32, prod_i32},
+    [RS_INT64] = {sum_i64, min_i64, max_i64, prod_i64},
+    [RS_FLOAT16] = {sum_f16, min_f16, max_f16, prod_f16},
+    [RS_BFLOAT16] = {sum_bf16, min_bf16, max_bf16, prod_bf16},
+    [RS_FLOAT32] = {sum_f32, min_f32, max_f32, prod_f32},
+    [RS_FLOAT64] = {sum_f64, min_f64, max_f64, prod_f64},
+};
+
+int rs_dtype_valid(int dtype) { return dtype >= RS_UINT8 && dtype <= RS_FLOAT64; }
+int rs_dtype_is_integer(rs_dtype_t dtype) { return dtype <= RS_INT64; }
+int rs_op_valid(int op) { return op >= RS_OP_SUM && op <= RS_OP_PRODUCT; }
+
+size_t rs_dtype_size(rs_dtype_t dtype) {
+    static const size_t sizes[8] = {1, 1, 4, 8, 2, 2, 4, 8};
+    return rs_dtype_valid(dtype) ? sizes[dtype] : 0;
+}
+
+rs_reduce_fn rs_reduce_kernel(rs_dtype_t dtype, rs_op_t op) {
+    static const int column[5] = {[RS_OP_SUM] = 0, [RS_OP_AVERAGE] = 0, [RS_OP_MIN] = 1,
+                                  [RS_OP_MAX] = 2, [RS_OP_PRODUCT] = 3};
+    if (!rs_dtype_valid(dtype) || !rs_op_valid(op))
+        return NULL;
+    return kernels[dtype][column[op]];
+}
+
+rs_status_t rs_reduce_local(void *inout, const void *in, size_t count, rs_dtype_t dtype,
+                            rs_op_t op) {
+    rs_reduce_fn fn = rs_reduce_kernel(dtype, op);
+    if (!fn)
+        return RS_ERR_USAGE;
+    fn(inout, in, count);
+    return RS_OK;
+}
+
+/* ---- scaling ---- */
+
+#define INT_DIVIDE(T)                                                           \
+    do {                                                                        \
+        T *p = (T *)buf;                                                        \
+        for (size_t i = 0; i < count; i++)                                      \
+            p[i] = (T)(p[i] / (T)divisor);                                      \
+    } while (0)
+
+/* Average of integers: exact integer division, truncated toward zero (a multiply by a
+ * rounded 1/n would turn 6/3 into 1.999... and then 1). */
+rs_status_t rs_divide_integers(void *buf, size_t count, rs_dtype_t dtype, int divisor) {
+    switch (dtype) {
+    case RS_UINT8: INT_DIVIDE(uint8_t); break;
+    case RS_INT8: INT_DIVIDE(int8_t); break;
+    case RS_INT32: INT_DIVIDE(int32_t); break;
+    case RS_INT64: INT_DIVIDE(int64_t); break;
+    default: return RS_ERR_USAGE;
+    }
+    return RS_OK;
+}
+
+#define INT_SCALE(T)                                                            \
+    do {                                                                        \
+        T *p = (T *)buf;                                                        \
+        for (size_t i = 0; i < count; i++)                                      \
+            p[i] = (T)((double)p[i] * factor);                                  \
+    } while (0)
+
+rs_status_t rs_scale_local(void *buf, size_t count, rs_dtype_t dtype, double factor) {
+    switch (dtype) {
+    case RS_UINT8: INT_SCALE(uint8_t); break;
+    case RS_INT8: INT_SCALE(int8_t); break;
+    case RS_INT32: INT_SCALE(int32_t); break;
+    case RS_INT64: INT_SCALE(int64_t); break;
+    case RS_FLOAT32: {
+        float *p = (float *)buf, f = (float)factor;
+        for (size_t i = 0; i < count; i++)
+            p[i] *= f;
+        break;
+    }
+    case RS_FLOAT64: {
+        double *p = (double *)buf;
+        for (size_t i = 0; i < count; i++)
+            p[i] *= factor;
+        break;
+    }
+    case RS_FLOAT16: {
+        uint16_t *p = (uint16_t *)buf;
+        for (size_t i = 0; i < count; i++)
+            p[i] = float_to_half(half_to_float(p[i]) * (float)factor);
+        break;
+    }
+    case RS_BFLOAT16: {
+        uint16_t *p = (uint16_t *)buf;
+        for (size_t i = 0; i < count; i++)
+            p[i] = float_to_bf16(bf16_to_float(p[i]) * (float)factor);
+        break;
+    }
+    default:
+        return RS_ERR_USAGE;
+    }
+    return RS_OK;
+}

@@ -1,0 +1,146 @@
+"""ringsync: Horovod-style data-parallel collectives over a native ring, bootstrapped by MPI.
+
+The module-level functions use one default Communicator made by init(); everything also
+works on explicit ringsync.Communicator objects.
+"""
+import atexit
+import os
+import sys
+import traceback
+
+from .config import Config
+from .errors import (CommunicationError, CommunicationTimeout, HorovodInternalError,
+                     NotInitializedError, RingsyncError, UsageError)
+
+__version__ = "0.1.0"
+
+try:
+    from ._core import Communicator, ReduceOp
+except ImportError as _e:  # pragma: no cover - only when the native core was not built
+    raise ImportError(
+        "ringsync's native core (ringsync._native) is not built; install the package with "
+        "`pip install .` (or `pip install -e .`) so that cffi compiles native/") from _e
+
+Sum = ReduceOp.SUM
+Average = ReduceOp.AVERAGE
+Min = ReduceOp.MIN
+Max = ReduceOp.MAX
+Product = ReduceOp.PRODUCT
+
+_default = None  # the Communicator behind the module-level API
+
+
+def init(comm=None):
+    """Build the ring over `comm` (an mpi4py intracommunicator; MPI.COMM_WORLD by default).
+    Calling it again while initialised does nothing."""
+    global _default
+    if _default is not None and not _default.closed:
+        return
+    _default = Communicator(comm)
+    if _default.size() > 1:
+        _install_die_hard_excepthook()
+    atexit.register(shutdown)
+
+
+def shutdown():
+    global _default
+    if _default is not None:
+        _default.shutdown()
+        _default = None
+
+
+def is_initialized() -> bool:
+    return _default is not None and not _default.closed
+
+
+def _comm() -> Communicator:
+    if _default is None or _default.closed:
+        raise NotInitializedError("ringsync has not been initialized; call ringsync.init() first")
+    return _default
+
+
+def _install_die_hard_excepthook():
+    """An uncaught exception must end this rank at once: left to the interpreter, it would
+    sit in MPI_Finalize while the peers wait for it forever. mpirun sees the non-zero exit
+    and ends the job; peers see the broken connection."""
+    previous = sys.excepthook
+    if getattr(previous, "_ringsync_die_hard", False):
+        return
+
+    def die_hard(exc_type, exc, tb):
+        try:
+            rank = _default.rank() if _default is not None else "?"
+            sys.stderr.write(f"ringsync: uncaught exception on rank {rank}; exiting this rank\n")
+            traceback.print_exception(exc_type, exc, tb)
+            sys.stderr.flush()
+            sys.stdout.flush()
+        finally:
+            os._exit(1)
+
+    die_hard._ringsync_die_hard = True
+    sys.excepthook = die_hard
+
+
+def rank() -> int:
+    return _comm().rank()
+
+
+def size() -> int:
+    return _comm().size()
+
+
+def local_rank() -> int:
+    return _comm().local_rank()
+
+
+def local_size() -> int:
+    return _comm().local_size()
+
+
+def cross_rank() -> int:
+    return _comm().cross_rank()
+
+
+def cross_size() -> int:
+    return _comm().cross_size()
+
+
+def allreduce(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None):
+    return _comm().allreduce(tensor, op, prescale_factor, postscale_factor, name)
+
+
+def allreduce_(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None):
+    return _comm().allreduce_(tensor, op, prescale_factor, postscale_factor, name)
+
+
+def allgather(tensor, name=None):
+    return _comm().allgather(tensor, name)
+
+
+def broadcast(tensor, root_rank, name=None):
+    return _comm().broadcast(tensor, root_rank, name)
+
+
+def broadcast_(tensor, root_rank, name=None):
+    return _comm().broadcast_(tensor, root_rank, name)
+
+
+def reducescatter(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None):
+    return _comm().reducescatter(tensor, op, prescale_factor, postscale_factor, name)
+
+
+def alltoall(tensor, splits=None, name=None):
+    return _comm().alltoall(tensor, splits, name)
+
+
+def barrier():
+    _comm().barrier()
+
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+    "cross_rank", "cross_size", "allreduce", "allreduce_", "allgather", "broadcast",
+    "broadcast_", "reducescatter", "alltoall", "barrier", "Sum", "Average", "Min", "Max",
+    "Product", "ReduceOp", "Communicator", "Config", "RingsyncError", "UsageError",
+    "NotInitializedError", "CommunicationError", "CommunicationTimeout", "HorovodInternalError",
+]

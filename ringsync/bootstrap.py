@@ -1,0 +1,102 @@
+"""Bootstrap through MPI: choose where to listen, exchange addresses, learn the topology.
+
+MPI only carries a few bytes per rank here; the native core's own sockets carry the data.
+"""
+import fcntl
+import ipaddress
+import secrets
+import socket
+import struct
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
+
+from .errors import UsageError
+
+_SIOCGIFADDR = 0x8915  # Linux ioctl: the IPv4 address of a named interface
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    host_name: str
+    address: str
+    port: int
+    token: int
+
+
+@dataclass(frozen=True)
+class Topology:
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _interface_ipv4(name: str) -> str:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name[:15].encode()))
+        except OSError as e:
+            raise UsageError(f"RINGSYNC_IFACE={name!r}: no IPv4 address on that interface ({e})") from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def _routable_ipv4() -> str:
+    """An address other hosts can reach: the host name's, unless it resolves only to
+    loopback, then the source address of the default route (a UDP connect sends nothing)."""
+    try:
+        infos = socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)
+        for info in infos:
+            addr = info[4][0]
+            if not ipaddress.ip_address(addr).is_loopback:
+                return addr
+    except OSError:
+        pass
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1: never contacted, only routed
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def listen_addresses(iface) -> Tuple[str, str]:
+    """(address to bind, address to advertise). Without RINGSYNC_IFACE, listen on all
+    interfaces so both same-host peers (over loopback) and other hosts can connect."""
+    if iface:
+        address = iface if _is_ip(iface) else _interface_ipv4(iface)
+        return address, address
+    return "", _routable_ipv4()
+
+
+def new_token() -> int:
+    return secrets.randbits(63)
+
+
+def connect_addresses(peers: Sequence[PeerInfo], my_host: str, bound_all: bool) -> List[str]:
+    """Same-host peers are reached over loopback when we listen on every interface."""
+    return ["127.0.0.1" if bound_all and p.host_name == my_host else p.address for p in peers]
+
+
+def topology(host_names: Sequence[str], rank: int) -> Topology:
+    """Horovod's meaning: local = ranks on my host; cross = ranks with my local rank."""
+    local_ranks = []
+    seen = {}
+    for name in host_names:
+        local_ranks.append(seen.get(name, 0))
+        seen[name] = local_ranks[-1] + 1
+    mine = local_ranks[rank]
+    same_local = [r for r, lr in enumerate(local_ranks) if lr == mine]
+    return Topology(
+        local_rank=mine,
+        local_size=seen[host_names[rank]],
+        cross_rank=same_local.index(rank),
+        cross_size=len(same_local),
+    )

@@ -1,0 +1,26 @@
+"""The exception classes of ringsync: one base, a usage kind and a communication kind."""
+
+
+class RingsyncError(Exception):
+    """Base class of every error ringsync raises."""
+
+
+class UsageError(RingsyncError, ValueError):
+    """Bad input or a call at the wrong time. Nothing is broken: the next call works."""
+
+
+class NotInitializedError(UsageError):
+    """A collective or query was called before ringsync.init()."""
+
+
+class CommunicationError(RingsyncError):
+    """A peer was lost or a connection broke. Recoverable: the communicator must be
+    shut down and built again (elastic recovery does this) before the next collective."""
+
+
+class CommunicationTimeout(CommunicationError):
+    """No progress before RINGSYNC_TIMEOUT_SECONDS passed."""
+
+
+# Horovod's name for the recoverable kind, so that Horovod-style elastic code reads the same.
+HorovodInternalError = CommunicationError
