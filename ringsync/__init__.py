@@ -14,12 +14,18 @@ from .errors import (CommunicationError, CommunicationTimeout, HorovodInternalEr
 
 __version__ = "0.1.0"
 
+from .ops import ReduceOp
+
 try:
-    from ._core import Communicator, ReduceOp
-except ImportError as _e:  # pragma: no cover - only when the native core was not built
-    raise ImportError(
-        "ringsync's native core (ringsync._native) is not built; install the package with "
-        "`pip install .` (or `pip install -e .`) so that cffi compiles native/") from _e
+    from ._core import Communicator
+except ImportError as _e:  # only where the native core was not built
+    _NATIVE_IMPORT_ERROR = _e
+
+    def Communicator(*args, **kwargs):  # noqa: N802 - stands in for the class
+        raise ImportError(
+            "ringsync's native core (ringsync._native) is not built; install the package with "
+            "`pip install .` (or `pip install -e .`) so that cffi compiles native/"
+        ) from _NATIVE_IMPORT_ERROR
 
 Sum = ReduceOp.SUM
 Average = ReduceOp.AVERAGE

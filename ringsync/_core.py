@@ -3,7 +3,6 @@
 Arrays go in through numpy (anything with the buffer protocol works); the native core
 does the moving and reducing with the GIL released (cffi releases it on every call).
 """
-import enum
 import socket
 from typing import Optional, Sequence
 
@@ -14,14 +13,10 @@ from .config import Config
 from .errors import CommunicationError, CommunicationTimeout, UsageError
 
 from ._native import ffi, lib
+from .ops import ReduceOp
 
-
-class ReduceOp(enum.IntEnum):
-    SUM = lib.RS_OP_SUM
-    AVERAGE = lib.RS_OP_AVERAGE
-    MIN = lib.RS_OP_MIN
-    MAX = lib.RS_OP_MAX
-    PRODUCT = lib.RS_OP_PRODUCT
+assert [int(o) for o in ReduceOp] == [lib.RS_OP_SUM, lib.RS_OP_AVERAGE, lib.RS_OP_MIN,
+                                      lib.RS_OP_MAX, lib.RS_OP_PRODUCT], "ReduceOp != ringsync.h"
 
 
 # dtype name -> native code, for the collectives that reduce.

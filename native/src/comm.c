@@ -86,6 +86,8 @@ rs_status_t rs_comm_abort(rs_comm_t *comm) {
 void rs_comm_destroy(rs_comm_t *comm) {
     if (!comm)
         return;
+    if (comm->broken && comm->transport_state)
+        comm->transport->abort(comm); /* tell peers we abort, rather than died */
     comm->transport->close(comm);
     for (int i = 0; i < comm->size; i++)
         free(comm->host_names[i]);

@@ -20,6 +20,7 @@ typedef struct {
     int listen_fd;
     int *fds; /* fds[peer]; -1 for self and unconnected peers */
     int *hung_up; /* a peer that closed while outside an exchange was already reported */
+    int *aborted; /* the peer sent an abort notice: it is alive but gave up */
     struct pollfd *pfds;
 } tcp_state_t;
 
@@ -72,8 +73,9 @@ static rs_status_t alloc_state(rs_comm_t *comm) {
     st->listen_fd = -1;
     st->fds = malloc((size_t)comm->size * sizeof *st->fds);
     st->hung_up = calloc((size_t)comm->size, sizeof *st->hung_up);
+    st->aborted = calloc((size_t)comm->size, sizeof *st->aborted);
     st->pfds = malloc((size_t)comm->size * sizeof *st->pfds);
-    if (!st->fds || !st->hung_up || !st->pfds)
+    if (!st->fds || !st->hung_up || !st->aborted || !st->pfds)
         return rs_fail(comm, RS_ERR_NOMEM, "out of memory");
     for (int i = 0; i < comm->size; i++)
         st->fds[i] = -1;
@@ -225,7 +227,52 @@ static rs_status_t tcp_connect(rs_comm_t *comm, const char **hosts, const int *p
     return RS_OK;
 }
 
+/* A rank that aborts after seeing a failure elsewhere sends this one urgent (out-of-band)
+ * byte on every connection before closing, so that its peers can tell it apart from the
+ * rank that really died and name the right one. The in-band stream is untouched. */
+#define ABORT_NOTICE 'A'
+
+static int sent_abort_notice(rs_comm_t *comm, int peer) {
+    tcp_state_t *st = state_of(comm);
+    char c = 0;
+    if (!st->aborted[peer] && recv(st->fds[peer], &c, 1, MSG_OOB | MSG_DONTWAIT) == 1)
+        st->aborted[peer] = c == ABORT_NOTICE;
+    return st->aborted[peer];
+}
+
+static int has_hung_up(int fd) {
+    struct pollfd p = {.fd = fd, .events = POLLRDHUP};
+    return poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR));
+}
+
+/* How long to wait for the dead peer's hangup after an aborting peer's: a killed process's
+ * sockets are closed one by one, and a fast survivor may abort before the last one is. */
+#define LOST_PEER_WAIT_SECONDS 0.5
+
+/* The first peer, other than `except`, whose connection is gone without an abort notice. */
+static int find_lost_peer(rs_comm_t *comm, int except) {
+    tcp_state_t *st = state_of(comm);
+    double deadline = rs_now() + LOST_PEER_WAIT_SECONDS;
+    do {
+        for (int i = 0; i < comm->size; i++)
+            if (i != comm->rank && i != except && st->fds[i] >= 0 && has_hung_up(st->fds[i]) &&
+                !sent_abort_notice(comm, i))
+                return i;
+        usleep(5000);
+    } while (rs_now() < deadline);
+    return -1;
+}
+
 static rs_status_t peer_error(rs_comm_t *comm, int peer, const char *what) {
+    if (sent_abort_notice(comm, peer)) {
+        int lost = find_lost_peer(comm, peer);
+        if (lost >= 0)
+            return rs_fail(comm, RS_ERR_COMM, "rank %d: connection to rank %d (host %s) was "
+                           "lost (peer process gone?); rank %d aborted after it", comm->rank,
+                           lost, rs_peer_host(comm, lost), peer);
+        return rs_fail(comm, RS_ERR_COMM, "rank %d: rank %d (host %s) aborted after a failure "
+                       "elsewhere in the job", comm->rank, peer, rs_peer_host(comm, peer));
+    }
     return rs_fail(comm, RS_ERR_COMM, "rank %d: connection to rank %d (host %s) %s",
                    comm->rank, peer, rs_peer_host(comm, peer), what);
 }
@@ -250,14 +297,19 @@ static rs_status_t tcp_send(rs_comm_t *comm, int peer, const char *buf, size_t l
 
 static rs_status_t tcp_recv(rs_comm_t *comm, int peer, char *buf, size_t len, size_t *done) {
     int fd = state_of(comm)->fds[peer];
+    sent_abort_notice(comm, peer); /* the stream may stand at a notice's mark already */
     while (*done < len) {
         ssize_t r = recv(fd, buf + *done, len - *done, MSG_DONTWAIT);
         if (r > 0) {
             *done += (size_t)r;
+            /* A short read may have stopped at an abort notice's mark; reading past the
+             * mark would discard the notice, so latch it now. */
+            if (*done < len)
+                sent_abort_notice(comm, peer);
             continue;
         }
         if (r == 0)
-            return peer_error(comm, peer, "was closed by the peer (peer process lost?)");
+            return peer_error(comm, peer, "was closed (peer process gone?)");
         if (errno == EINTR)
             continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK)
@@ -275,7 +327,7 @@ static rs_status_t tcp_poll(rs_comm_t *comm, const rs_wait_t *waits, int n, int 
     int size = comm->size;
     for (int i = 0; i < size; i++) {
         st->pfds[i].fd = (i == comm->rank || st->hung_up[i]) ? -1 : st->fds[i];
-        st->pfds[i].events = POLLRDHUP;
+        st->pfds[i].events = POLLRDHUP | POLLPRI;
         st->pfds[i].revents = 0;
     }
     for (int k = 0; k < n; k++) {
@@ -287,22 +339,33 @@ static rs_status_t tcp_poll(rs_comm_t *comm, const rs_wait_t *waits, int n, int 
     if (r < 0 && errno != EINTR)
         return rs_fail(comm, RS_ERR_SYSTEM, "poll(): %s", strerror(errno));
     *lost_peer = -1;
+    int aborting_peer = -1;
     for (int i = 0; r > 0 && i < size; i++) {
         short ev = st->pfds[i].revents;
+        if (ev & POLLPRI)
+            sent_abort_notice(comm, i); /* latch it before in-band reads pass its mark */
         if (!(ev & (POLLRDHUP | POLLHUP | POLLERR)) || (st->pfds[i].events & (POLLIN | POLLOUT)))
             continue; /* peers in the exchange report errors through send/recv */
         st->hung_up[i] = 1;
-        if (*lost_peer < 0)
+        if (sent_abort_notice(comm, i))
+            aborting_peer = aborting_peer < 0 ? i : aborting_peer;
+        else if (*lost_peer < 0)
             *lost_peer = i;
     }
+    if (*lost_peer < 0)
+        *lost_peer = aborting_peer; /* name a dead peer in preference to one that gave up */
     return RS_OK;
 }
 
 static void tcp_abort(rs_comm_t *comm) {
     tcp_state_t *st = state_of(comm);
-    for (int i = 0; i < comm->size; i++)
-        if (st->fds[i] >= 0)
-            shutdown(st->fds[i], SHUT_RDWR);
+    char notice = ABORT_NOTICE;
+    for (int i = 0; i < comm->size; i++) {
+        if (st->fds[i] < 0)
+            continue;
+        send(st->fds[i], &notice, 1, MSG_OOB | MSG_NOSIGNAL | MSG_DONTWAIT);
+        shutdown(st->fds[i], SHUT_RDWR);
+    }
 }
 
 static void tcp_close(rs_comm_t *comm) {
@@ -316,6 +379,7 @@ static void tcp_close(rs_comm_t *comm) {
         close(st->listen_fd);
     free(st->fds);
     free(st->hung_up);
+    free(st->aborted);
     free(st->pfds);
     free(st);
     comm->transport_state = NULL;

