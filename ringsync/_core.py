@@ -46,6 +46,10 @@ def _describe(name: Optional[str]) -> str:
     return f" for tensor '{name}'" if name else ""
 
 
+def _for_name(name: Optional[str]) -> str:
+    return f" for '{name}'" if name else ""
+
+
 def as_input(x, what: str, name: Optional[str]) -> np.ndarray:
     """A C-contiguous array view of x (copied only if it is not contiguous)."""
     if isinstance(x, np.ndarray):
@@ -284,7 +288,7 @@ class Communicator:
         for r in range(self._size):
             if not np.array_equal(table[r, 1:], table[0, 1:]):
                 raise UsageError(
-                    f"Mismatched {what} tensor{_describe(name)}: rank 0 sent "
+                    f"Mismatched {what} tensors{_for_name(name)}: rank 0 sent "
                     f"{_layout_text(table[0])}, rank {r} sent {_layout_text(table[r])}")
         return table[:, 0]
 
@@ -370,7 +374,7 @@ class Communicator:
         for r in range(self._size):
             if list(got[r, 1:]) != mine:
                 raise UsageError(
-                    f"Mismatched alltoall tensor{_describe(name)}: rank {self._rank} sent "
+                    f"Mismatched alltoall tensors{_for_name(name)}: rank {self._rank} sent "
                     f"dtype {_MOVABLE[mine[0]]} with {mine[1]} bytes per row, rank {r} sent "
                     f"dtype {_MOVABLE[got[r, 1]]} with {got[r, 2]} bytes per row")
         return np.ascontiguousarray(got[:, 0])

@@ -224,7 +224,7 @@ def bad_input_then_next_call_works():
         expect("not divisible", rs.alltoall, np.zeros(size * 2 + 1))
         # A mismatch across ranks: every rank raises, naming the ranks and both values.
         trailing = (3,) if me == size - 1 else (2,)
-        expect(f"Mismatched allgather tensor for 'grad.w': rank 0 sent dtype float64 with rows "
+        expect(f"Mismatched allgather tensors for 'grad.w': rank 0 sent dtype float64 with rows "
                f"of shape [2], rank {size - 1} sent dtype float64 with rows of shape [3]",
                rs.allgather, np.zeros((2,) + trailing), name="grad.w")
     rs.shutdown()

@@ -1,0 +1,130 @@
+"""Allreduce benchmark: ringsync against mpi4py's Allreduce, measured in the same run.
+
+    python -m ringsync.bench [--np 2 4] [--min-size 4K] [--max-size 64M] [--seconds 0.3]
+
+The driver starts one mpirun job per rank count; in each job every size is timed for
+ringsync and for MPI alternately on the same buffer, and the table shows time per call,
+bus bandwidth (size * 2(N-1)/N / time) and the ratio (MPI time / ringsync time: above 1
+means ringsync is faster). This is a benchmark, not a test: nothing here asserts on time.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().rstrip("B").rstrip("I")
+    if text and text[-1] in UNITS:
+        return int(float(text[:-1]) * UNITS[text[-1]])
+    return int(text)
+
+
+def human(n: int) -> str:
+    for unit in ("G", "M", "K"):
+        if n >= UNITS[unit] and n % UNITS[unit] == 0:
+            return f"{n // UNITS[unit]} {unit}iB"
+    return f"{n} B"
+
+
+def sizes_between(low: int, high: int):
+    size = low
+    while size <= high:
+        yield size
+        size *= 4
+
+
+def _time_calls(call, seconds: float, comm) -> float:
+    """Seconds per call, the slowest rank's average; the iteration count is agreed by
+    all ranks (from rank 0's estimate) so that every rank runs the same number."""
+    call()  # warm up (connections, page faults)
+    start = time.perf_counter()
+    call()
+    estimate = time.perf_counter() - start
+    iterations = comm.bcast(max(3, min(10000, int(seconds / max(estimate, 1e-7)))), root=0)
+    comm.Barrier()
+    start = time.perf_counter()
+    for _ in range(iterations):
+        call()
+    elapsed = (time.perf_counter() - start) / iterations
+    return comm.allreduce(elapsed, op=_mpi().MAX)
+
+
+def _mpi():
+    from mpi4py import MPI
+    return MPI
+
+
+def worker(args):
+    import numpy as np
+
+    import ringsync as rs
+
+    MPI = _mpi()
+    comm = MPI.COMM_WORLD
+    rs.init()
+    rows = []
+    for size in sizes_between(args.min_size, args.max_size):
+        buf = np.full(size // 4, rs.rank() + 1.0, dtype=np.float32)
+        rs_time = _time_calls(lambda: rs.allreduce_(buf, op=rs.Sum), args.seconds, comm)
+        mpi_time = _time_calls(lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM),
+                               args.seconds, comm)
+        rows.append({"size": size, "ringsync": rs_time, "mpi": mpi_time})
+    if rs.rank() == 0:
+        with open(args.worker, "w") as f:
+            json.dump({"np": rs.size(), "rows": rows}, f)
+    rs.shutdown()
+
+
+def run_job(np_: int, args) -> dict:
+    from ringsync import launcher
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        worker_args = [sys.executable, "-m", "ringsync.bench", "--worker", out,
+                       "--min-size", str(args.min_size), "--max-size", str(args.max_size),
+                       "--seconds", str(args.seconds)]
+        options = launcher.RunOptions(np=np_, program=worker_args)
+        command = launcher.build_mpirun_command(options)
+        subprocess.run(command, check=True)
+        with open(out) as f:
+            return json.load(f)
+
+
+def print_table(result: dict) -> None:
+    n = result["np"]
+    factor = 2 * (n - 1) / n if n > 1 else 1.0
+    print(f"\n{n} ranks: allreduce of float32, sum, in place")
+    print(f"{'size':>9} | {'ringsync us':>11} {'GB/s':>7} | {'MPI us':>10} {'GB/s':>7} | "
+          f"{'MPI/ringsync':>12}")
+    for row in result["rows"]:
+        rs_t, mpi_t, size = row["ringsync"], row["mpi"], row["size"]
+        print(f"{human(size):>9} | {rs_t * 1e6:11.1f} {size * factor / rs_t / 1e9:7.2f} | "
+              f"{mpi_t * 1e6:10.1f} {size * factor / mpi_t / 1e9:7.2f} | {mpi_t / rs_t:12.2f}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m ringsync.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--np", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--min-size", type=parse_size, default=4 << 10)
+    parser.add_argument("--max-size", type=parse_size, default=64 << 20)
+    parser.add_argument("--seconds", type=float, default=0.3,
+                        help="time to spend per size and library (default 0.3)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    print("Bus bandwidth = size * 2(N-1)/N / time; ratio above 1: ringsync is faster.")
+    for np_ in args.np:
+        print_table(run_job(np_, args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
