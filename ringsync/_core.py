@@ -3,6 +3,7 @@
 Arrays go in through numpy (anything with the buffer protocol works); the native core
 does the moving and reducing with the GIL released (cffi releases it on every call).
 """
+import dataclasses
 import socket
 from typing import Optional, Sequence
 
@@ -143,19 +144,29 @@ class Communicator:
     # ---- setup and teardown ----
 
     def _connect(self):
-        bind_host, advertised = bootstrap.listen_addresses(self.config.iface)
-        cptr, port = ffi.new("rs_comm_t **"), ffi.new("int *")
-        status = lib.rs_comm_create(self._rank, self._size, bind_host.encode(),
-                                    self.config.timeout_seconds, cptr, port)
-        self._c = cptr[0]
-        local_error = self._error_text(status, "creating the ring")
-        me = bootstrap.PeerInfo(socket.gethostname(), advertised, port[0], bootstrap.new_token())
+        # Errors travel through the allgather instead of being raised here: a rank that
+        # raised before it would leave its peers waiting in MPI forever.
+        me, local_error, bound_all = self._open_listener()
         peers = self._mpi.allgather((me, local_error))
         self._raise_if_any_failed([err for _, err in peers], "setting up the listening socket")
         infos = [info for info, _ in peers]
         self.host_names = [p.host_name for p in infos]
         self.topology = bootstrap.topology(self.host_names, self._rank)
-        self._connect_ring(infos, me.host_name, bind_host == "")
+        self._connect_ring(infos, me.host_name, bound_all)
+
+    def _open_listener(self):
+        """(this rank's PeerInfo, an error text or None, whether it listens on all interfaces)."""
+        me = bootstrap.PeerInfo(socket.gethostname(), "", 0, bootstrap.new_token())
+        try:
+            bind_host, advertised = bootstrap.listen_addresses(self.config.iface)
+        except UsageError as e:
+            return me, ("usage", f"rank {self._rank}: {e}"), False
+        cptr, port = ffi.new("rs_comm_t **"), ffi.new("int *")
+        status = lib.rs_comm_create(self._rank, self._size, bind_host.encode(),
+                                    self.config.timeout_seconds, cptr, port)
+        self._c = cptr[0]
+        me = dataclasses.replace(me, address=advertised, port=port[0])
+        return me, self._error_text(status, "creating the ring"), bind_host == ""
 
     def _connect_ring(self, infos, my_host, bound_all):
         addresses = bootstrap.connect_addresses(infos, my_host, bound_all)
@@ -167,16 +178,20 @@ class Communicator:
         errors = self._mpi.allgather(self._error_text(status, "connecting the ring"))
         self._raise_if_any_failed(errors, "connecting the ring")
 
-    def _error_text(self, status, what) -> Optional[str]:
+    def _error_text(self, status, what):
+        """None, or (kind, text) for the allgather that tells every rank who failed."""
         if status == lib.RS_OK:
             return None
         detail = ffi.string(lib.rs_comm_last_error(self._c)).decode() if self._c else ""
-        return f"rank {self._rank}: {what} failed (status {status}): {detail}"
+        kind = "usage" if status == lib.RS_ERR_USAGE else "comm"
+        return kind, f"rank {self._rank}: {what} failed (status {status}): {detail}"
 
     def _raise_if_any_failed(self, errors, what):
+        """Every rank raises together: a usage error if all failures were bad settings."""
         failed = [e for e in errors if e]
         if failed:
-            raise CommunicationError(f"ringsync.init: {what} failed: " + "; ".join(failed))
+            cls = UsageError if all(kind == "usage" for kind, _ in failed) else CommunicationError
+            raise cls(f"ringsync.init: {what} failed: " + "; ".join(text for _, text in failed))
 
     def _destroy_native(self):
         if self._c != ffi.NULL:

@@ -27,3 +27,21 @@ def test_survivors_name_the_killed_rank(victim, tmp_path):
         assert f"connection to rank {victim} (host" in message, message
     leftover = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
     assert not leftover.strip(), f"processes left running: {leftover}"
+
+
+def test_plain_mpirun_ends_the_job_when_a_rank_is_killed(tmp_path):
+    """Without ULFM, mpirun itself ends the job: a failure, promptly, and no leftovers."""
+    marker = f"ringsync-kill-plain-{os.getpid()}"
+    result = run_mpi("tests.mpi.bodies:killed_peer_fails_the_others", np=3, timeout=90,
+                     args=(marker,),
+                     env={"RINGSYNC_TEST_DIR": str(tmp_path), "RINGSYNC_TEST_VICTIM": "1",
+                          "RINGSYNC_TIMEOUT_SECONDS": "600"})
+    assert not result.timed_out, result.report()
+    assert result.returncode != 0, result.report()
+    leftover = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
+    assert not leftover.strip(), f"processes left running: {leftover}"
+
+
+def test_a_slow_peer_times_out_instead_of_hanging():
+    from ringsync.testing import assert_mpi_ok
+    assert_mpi_ok("tests.mpi.bodies:slow_peer_times_out", np=2, timeout=60)

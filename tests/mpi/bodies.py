@@ -266,3 +266,46 @@ def killed_peer_fails_the_others(marker=""):
         raise AssertionError("a broken communicator accepted another collective")
     rs.shutdown()
     os._exit(0)  # skip MPI_Finalize, which would wait for the dead rank
+
+
+def slow_peer_times_out():
+    """Rank 1 arrives long after RINGSYNC_TIMEOUT_SECONDS: rank 0 gives up with a timeout
+    naming rank 1, and rank 1 then learns that rank 0 gave up, instead of waiting."""
+    os.environ["RINGSYNC_TIMEOUT_SECONDS"] = "1.5"
+    rs.init()
+    if rs.rank() == 1:
+        time.sleep(5)
+    try:
+        rs.allreduce(np.ones(10))
+    except rs.CommunicationTimeout as e:
+        assert rs.rank() == 0, f"rank {rs.rank()} timed out: {e}"
+        assert "waiting for rank 1 (host" in str(e), str(e)
+    except rs.CommunicationError as e:
+        assert rs.rank() == 1, f"rank {rs.rank()}: {e}"
+        assert "rank 0 (host" in str(e) and "aborted" in str(e), str(e)
+    else:
+        raise AssertionError(f"rank {rs.rank()}: allreduce finished despite the timeout")
+    rs.shutdown()
+
+
+def bad_interface_fails_on_every_rank():
+    os.environ["RINGSYNC_IFACE"] = "no-such-nic0"
+    try:
+        rs.init()
+    except rs.UsageError as e:
+        assert "RINGSYNC_IFACE='no-such-nic0'" in str(e), str(e)
+    else:
+        raise AssertionError("init succeeded with a bad RINGSYNC_IFACE")
+    assert not rs.is_initialized()
+
+
+def allreduce_over_routable_address():
+    """Listen on and connect to the address other hosts would use, not loopback."""
+    from ringsync import bootstrap
+    address = bootstrap.listen_addresses(None)[1]
+    os.environ["RINGSYNC_IFACE"] = address
+    rs.init()
+    inputs = _inputs((1001,), "float64", "Sum", "routable")
+    assert_reduced(rs.allreduce(inputs[rs.rank()], op=rs.Sum), inputs, "Sum",
+                   what=f"allreduce over {address}")
+    rs.shutdown()

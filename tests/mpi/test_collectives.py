@@ -16,6 +16,8 @@ BODIES = [
     "barrier_orders_ranks",
     "topology_queries",
     "bad_input_then_next_call_works",
+    "bad_interface_fails_on_every_rank",
+    "allreduce_over_routable_address",
 ]
 
 
