@@ -51,38 +51,43 @@ def _for_name(name: Optional[str]) -> str:
     return f" for '{name}'" if name else ""
 
 
-def as_input(x, what: str, name: Optional[str]) -> np.ndarray:
-    """A C-contiguous array view of x (copied only if it is not contiguous)."""
+def _buffer_array(x) -> Optional[np.ndarray]:
+    """x as an array without a copy (arrays as they are, buffers through memoryview),
+    or None when x exposes no buffer."""
     if isinstance(x, np.ndarray):
-        arr = x
-    else:
-        try:
-            arr = np.asarray(memoryview(x))
-        except TypeError:
-            arr = np.asarray(x)
+        return x
+    try:
+        return np.asarray(memoryview(x))
+    except TypeError:
+        return None
+
+
+def _reject_objects(arr: np.ndarray, what: str, name: Optional[str]) -> np.ndarray:
     if arr.dtype.hasobject:
         raise UsageError(f"ringsync.{what}: object arrays are not supported{_describe(name)}")
-    return np.ascontiguousarray(arr)
+    return arr
+
+
+def as_input(x, what: str, name: Optional[str]) -> np.ndarray:
+    """A C-contiguous array view of x (copied only if it is not contiguous)."""
+    arr = _buffer_array(x)
+    arr = np.asarray(x) if arr is None else arr
+    return np.ascontiguousarray(_reject_objects(arr, what, name))
 
 
 def as_output(x, what: str, name: Optional[str]) -> np.ndarray:
     """The array an in-place call writes to: it must be writable and C-contiguous."""
-    if isinstance(x, np.ndarray):
-        arr = x
-    else:
-        try:
-            arr = np.asarray(memoryview(x))
-        except TypeError:
-            raise UsageError(f"ringsync.{what}: in-place output{_describe(name)} must be a numpy "
-                             f"array or a writable buffer, got {type(x).__name__}") from None
+    arr = _buffer_array(x)
+    if arr is None:
+        raise UsageError(f"ringsync.{what}: in-place output{_describe(name)} must be a numpy "
+                         f"array or a writable buffer, got {type(x).__name__}")
+    _reject_objects(arr, what, name)
     if not arr.flags.writeable:
         raise UsageError(f"ringsync.{what}: output{_describe(name)} is read-only")
     if not arr.flags.c_contiguous:
         raise UsageError(f"ringsync.{what}: output{_describe(name)} is not C-contiguous "
                          f"(shape {arr.shape}, strides {arr.strides}); pass "
                          "np.ascontiguousarray(x) and copy back, or use the out-of-place call")
-    if arr.dtype.hasobject:
-        raise UsageError(f"ringsync.{what}: object arrays are not supported{_describe(name)}")
     return arr
 
 

@@ -64,17 +64,22 @@ def find_mpirun() -> str:
     )
 
 
+def tool_output(command: list[str], timeout: float = 60) -> str | None:
+    """What an MPI tool prints on stdout, or None if it cannot be run."""
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 @functools.lru_cache(maxsize=None)
 def mpi_flavor(mpirun: str) -> str:
     """Which MPI family an mpirun belongs to: OPEN_MPI, MPICH or UNKNOWN.
 
     The families spell their options differently (-x vs -genvlist, -H vs -hosts).
     """
-    try:
-        banner = subprocess.run(
-            [mpirun, "--version"], capture_output=True, text=True, timeout=30
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
+    banner = tool_output([mpirun, "--version"])
+    if banner is None:
         return UNKNOWN
     if "Open MPI" in banner or "OpenRTE" in banner:
         return OPEN_MPI
@@ -370,11 +375,8 @@ def open_mpi_ft_support() -> bool | None:
     ompi_info = find_mpi_tool("ompi_info")
     if not ompi_info:
         return None
-    try:
-        report = subprocess.run(
-            [ompi_info, "--parsable"], capture_output=True, text=True, timeout=60
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
+    report = tool_output([ompi_info, "--parsable"])
+    if report is None:
         return None
     for line in report.splitlines():
         if line.startswith("options:ft_mpi_support:"):
