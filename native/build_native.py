@@ -10,7 +10,8 @@ from cffi import FFI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 INCLUDE = os.path.join(HERE, "include")
-SOURCES = ["comm.c", "transport_tcp.c", "reduce.c", "algorithms.c"]
+SOURCES = ["comm.c", "transport_tcp.c", "reduce.c", "algorithms.c", "negotiate.c", "execute.c",
+           "timeline.c", "engine.c"]
 
 
 def public_declarations():
@@ -30,7 +31,7 @@ ffibuilder.set_source(
     sources=[os.path.relpath(os.path.join(HERE, "src", s)) for s in SOURCES],
     include_dirs=[os.path.relpath(INCLUDE)],
     extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
-    libraries=["m"],
+    libraries=["m", "pthread"],
 )
 
 if __name__ == "__main__":

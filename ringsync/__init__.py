@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 from .ops import ReduceOp
 
 try:
-    from ._core import Communicator
+    from ._core import Communicator, Handle
 except ImportError as _e:  # only where the native core was not built
     _NATIVE_IMPORT_ERROR = _e
 
@@ -26,6 +26,8 @@ except ImportError as _e:  # only where the native core was not built
             "ringsync's native core (ringsync._native) is not built; install the package with "
             "`pip install .` (or `pip install -e .`) so that cffi compiles native/"
         ) from _NATIVE_IMPORT_ERROR
+
+    Handle = None
 
 Sum = ReduceOp.SUM
 Average = ReduceOp.AVERAGE
@@ -119,8 +121,38 @@ def allreduce_(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, na
     return _comm().allreduce_(tensor, op, prescale_factor, postscale_factor, name)
 
 
+def allreduce_async(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None):
+    return _comm().allreduce_async(tensor, op, prescale_factor, postscale_factor, name)
+
+
+def allreduce_async_(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None):
+    return _comm().allreduce_async_(tensor, op, prescale_factor, postscale_factor, name)
+
+
+def grouped_allreduce(tensors, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None):
+    return _comm().grouped_allreduce(tensors, op, prescale_factor, postscale_factor, name)
+
+
+def grouped_allreduce_(tensors, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None):
+    return _comm().grouped_allreduce_(tensors, op, prescale_factor, postscale_factor, name)
+
+
+def grouped_allreduce_async(tensors, op=Average, prescale_factor=1.0, postscale_factor=1.0,
+                            name=None):
+    return _comm().grouped_allreduce_async(tensors, op, prescale_factor, postscale_factor, name)
+
+
+def grouped_allreduce_async_(tensors, op=Average, prescale_factor=1.0, postscale_factor=1.0,
+                             name=None):
+    return _comm().grouped_allreduce_async_(tensors, op, prescale_factor, postscale_factor, name)
+
+
 def allgather(tensor, name=None):
     return _comm().allgather(tensor, name)
+
+
+def allgather_async(tensor, name=None):
+    return _comm().allgather_async(tensor, name)
 
 
 def broadcast(tensor, root_rank, name=None):
@@ -131,22 +163,61 @@ def broadcast_(tensor, root_rank, name=None):
     return _comm().broadcast_(tensor, root_rank, name)
 
 
+def broadcast_async(tensor, root_rank, name=None):
+    return _comm().broadcast_async(tensor, root_rank, name)
+
+
+def broadcast_async_(tensor, root_rank, name=None):
+    return _comm().broadcast_async_(tensor, root_rank, name)
+
+
 def reducescatter(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None):
     return _comm().reducescatter(tensor, op, prescale_factor, postscale_factor, name)
+
+
+def reducescatter_async(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None):
+    return _comm().reducescatter_async(tensor, op, prescale_factor, postscale_factor, name)
 
 
 def alltoall(tensor, splits=None, name=None):
     return _comm().alltoall(tensor, splits, name)
 
 
+def alltoall_async(tensor, splits=None, name=None):
+    return _comm().alltoall_async(tensor, splits, name)
+
+
 def barrier():
     _comm().barrier()
 
 
+def poll(handle) -> bool:
+    """True once the handle's collective has completed."""
+    return _comm().poll(handle)
+
+
+def synchronize(handle):
+    """Wait for an async handle; returns its result or raises its error."""
+    return _comm().synchronize(handle)
+
+
+def start_timeline(path):
+    """Write a Chrome-trace JSON timeline of every tensor's phases (open it in Perfetto)."""
+    _comm().start_timeline(path)
+
+
+def stop_timeline():
+    _comm().stop_timeline()
+
+
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
-    "cross_rank", "cross_size", "allreduce", "allreduce_", "allgather", "broadcast",
-    "broadcast_", "reducescatter", "alltoall", "barrier", "Sum", "Average", "Min", "Max",
+    "cross_rank", "cross_size", "allreduce", "allreduce_", "allreduce_async",
+    "allreduce_async_", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+    "grouped_allreduce_async_", "allgather", "allgather_async", "broadcast", "broadcast_",
+    "broadcast_async", "broadcast_async_", "reducescatter", "reducescatter_async", "alltoall",
+    "alltoall_async", "barrier", "poll", "synchronize", "start_timeline", "stop_timeline",
+    "Handle", "Sum", "Average", "Min", "Max",
     "Product", "ReduceOp", "Communicator", "Config", "RingsyncError", "UsageError",
     "NotInitializedError", "CommunicationError", "CommunicationTimeout", "HorovodInternalError",
 ]

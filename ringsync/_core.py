@@ -1,38 +1,25 @@
-"""Communicator: the Python face of one native ring communicator.
+"""Communicator: the Python face of one native ring and its engine.
 
-Arrays go in through numpy (anything with the buffer protocol works); the native core
-does the moving and reducing with the GIL released (cffi releases it on every call).
+Every collective is a request to the engine (a background thread in the native core):
+the `_async` calls return a Handle at once, `synchronize(handle)` waits for it, and the
+plain calls do both. The GIL is released while the core works (cffi releases it).
 """
 import dataclasses
+import itertools
 import socket
-from typing import Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 
 from . import bootstrap
+from ._arrays import (as_input, as_output, describe, dtype_code, pointer, wrap_native_result)
+from ._native import ffi, lib
 from .config import Config
 from .errors import CommunicationError, CommunicationTimeout, UsageError
-
-from ._native import ffi, lib
 from .ops import ReduceOp
 
 assert [int(o) for o in ReduceOp] == [lib.RS_OP_SUM, lib.RS_OP_AVERAGE, lib.RS_OP_MIN,
                                       lib.RS_OP_MAX, lib.RS_OP_PRODUCT], "ReduceOp != ringsync.h"
-
-
-# dtype name -> native code, for the collectives that reduce.
-_REDUCIBLE = {
-    "uint8": lib.RS_UINT8,
-    "int8": lib.RS_INT8,
-    "int32": lib.RS_INT32,
-    "int64": lib.RS_INT64,
-    "float16": lib.RS_FLOAT16,
-    "bfloat16": lib.RS_BFLOAT16,
-    "float32": lib.RS_FLOAT32,
-    "float64": lib.RS_FLOAT64,
-}
-# Collectives that only move bytes also take bool; the index is a dtype code for checks.
-_MOVABLE = list(_REDUCIBLE) + ["bool"]
 
 _STATUS_ERRORS = {
     lib.RS_ERR_USAGE: UsageError,
@@ -41,69 +28,7 @@ _STATUS_ERRORS = {
     lib.RS_ERR_TIMEOUT: CommunicationTimeout,
     lib.RS_ERR_SYSTEM: CommunicationError,
 }
-
-
-def _describe(name: Optional[str]) -> str:
-    return f" for tensor '{name}'" if name else ""
-
-
-def _for_name(name: Optional[str]) -> str:
-    return f" for '{name}'" if name else ""
-
-
-def _buffer_array(x) -> Optional[np.ndarray]:
-    """x as an array without a copy (arrays as they are, buffers through memoryview),
-    or None when x exposes no buffer."""
-    if isinstance(x, np.ndarray):
-        return x
-    try:
-        return np.asarray(memoryview(x))
-    except TypeError:
-        return None
-
-
-def _reject_objects(arr: np.ndarray, what: str, name: Optional[str]) -> np.ndarray:
-    if arr.dtype.hasobject:
-        raise UsageError(f"ringsync.{what}: object arrays are not supported{_describe(name)}")
-    return arr
-
-
-def as_input(x, what: str, name: Optional[str]) -> np.ndarray:
-    """A C-contiguous array view of x (copied only if it is not contiguous)."""
-    arr = _buffer_array(x)
-    arr = np.asarray(x) if arr is None else arr
-    return np.ascontiguousarray(_reject_objects(arr, what, name))
-
-
-def as_output(x, what: str, name: Optional[str]) -> np.ndarray:
-    """The array an in-place call writes to: it must be writable and C-contiguous."""
-    arr = _buffer_array(x)
-    if arr is None:
-        raise UsageError(f"ringsync.{what}: in-place output{_describe(name)} must be a numpy "
-                         f"array or a writable buffer, got {type(x).__name__}")
-    _reject_objects(arr, what, name)
-    if not arr.flags.writeable:
-        raise UsageError(f"ringsync.{what}: output{_describe(name)} is read-only")
-    if not arr.flags.c_contiguous:
-        raise UsageError(f"ringsync.{what}: output{_describe(name)} is not C-contiguous "
-                         f"(shape {arr.shape}, strides {arr.strides}); pass "
-                         "np.ascontiguousarray(x) and copy back, or use the out-of-place call")
-    return arr
-
-
-def reducible_dtype(arr: np.ndarray, what: str, name: Optional[str]) -> int:
-    code = _REDUCIBLE.get(arr.dtype.name)
-    if code is None:
-        raise UsageError(f"ringsync.{what}: unsupported dtype {arr.dtype.name}{_describe(name)}; "
-                         f"supported: {', '.join(_REDUCIBLE)}")
-    return code
-
-
-def movable_dtype(arr: np.ndarray, what: str, name: Optional[str]) -> int:
-    if arr.dtype.name not in _MOVABLE:
-        raise UsageError(f"ringsync.{what}: unsupported dtype {arr.dtype.name}{_describe(name)}; "
-                         f"supported: {', '.join(_MOVABLE)}")
-    return _MOVABLE.index(arr.dtype.name)
+_WAIT_SLICE_SECONDS = 0.2  # waits return this often so that Ctrl-C gets through
 
 
 def as_op(op, what: str) -> int:
@@ -114,16 +39,36 @@ def as_op(op, what: str) -> int:
                          f"{', '.join(o.name.title() for o in ReduceOp)}") from None
 
 
-def pointer(arr: np.ndarray):
-    return ffi.cast("void *", arr.ctypes.data)
+def even_split(n: int, parts: int) -> Sequence[int]:
+    """n split into `parts` nearly equal parts, the first n % parts one larger."""
+    return [n // parts + (i < n % parts) for i in range(parts)]
 
 
-def int64_array(values) -> np.ndarray:
-    return np.ascontiguousarray(values, dtype=np.int64)
+class Handle:
+    """A submitted collective. poll() says whether it is done; synchronize() returns its
+    result (or raises its error). One handle per tensor, or several for a group."""
+
+    __slots__ = ("_comm", "_ids", "_keep", "_finish", "_what", "names", "_result", "_done")
+
+    def __init__(self, comm, ids, keep, finish, what, names):
+        self._comm, self._ids, self._keep = comm, ids, keep
+        self._finish, self._what, self.names = finish, what, names
+        self._result, self._done = None, False
+
+    def __repr__(self):
+        return f"<ringsync.Handle {self._what} {self.names}{' done' if self._done else ''}>"
+
+
+@dataclasses.dataclass
+class _Request:
+    """One tensor to submit: the native struct plus what must stay alive until it is done."""
+    name: str
+    struct: object
+    keep: tuple
 
 
 class Communicator:
-    """A ring of ranks built over an mpi4py intracommunicator.
+    """A ring of ranks built over an mpi4py intracommunicator, with its engine.
 
     Holds its own native context; several can exist in one process.
     """
@@ -139,8 +84,11 @@ class Communicator:
         self._mpi = mpi_comm.Dup()  # our bootstrap traffic never mixes with the user's
         self._rank, self._size = self._mpi.Get_rank(), self._mpi.Get_size()
         self._c = ffi.NULL
+        self._engine = ffi.NULL
+        self._auto_names = itertools.count()
         try:
             self._connect()
+            self._start_engine()
         except BaseException:
             self._destroy_native()
             self._mpi.Free()
@@ -160,7 +108,7 @@ class Communicator:
         self._connect_ring(infos, me.host_name, bound_all)
 
     def _open_listener(self):
-        """(this rank's PeerInfo, an error text or None, whether it listens on all interfaces)."""
+        """(this rank's PeerInfo, an error or None, whether it listens on all interfaces)."""
         me = bootstrap.PeerInfo(socket.gethostname(), "", 0, bootstrap.new_token())
         try:
             bind_host, advertised = bootstrap.listen_addresses(self.config.iface)
@@ -183,6 +131,21 @@ class Communicator:
         errors = self._mpi.allgather(self._error_text(status, "connecting the ring"))
         self._raise_if_any_failed(errors, "connecting the ring")
 
+    def _start_engine(self):
+        cfg = ffi.new("rs_engine_config_t *", {
+            "fusion_threshold_bytes": self.config.fusion_threshold,
+            "cycle_time_ms": self.config.cycle_time_ms,
+            "stall_check_seconds": self.config.stall_check_seconds,
+            "cache_capacity": self.config.cache_capacity,
+        })
+        eptr = ffi.new("rs_engine_t **")
+        status = lib.rs_engine_create(self._c, cfg, eptr)
+        if status != lib.RS_OK:
+            raise CommunicationError(f"ringsync.init: {self._error_text(status, 'starting the engine')[1]}")
+        self._engine = eptr[0]
+        if self.config.timeline:
+            self.start_timeline(self.config.timeline)
+
     def _error_text(self, status, what):
         """None, or (kind, text) for the allgather that tells every rank who failed."""
         if status == lib.RS_OK:
@@ -199,35 +162,25 @@ class Communicator:
             raise cls(f"ringsync.init: {what} failed: " + "; ".join(text for _, text in failed))
 
     def _destroy_native(self):
+        if self._engine != ffi.NULL:
+            lib.rs_engine_destroy(self._engine)
+            self._engine = ffi.NULL
         if self._c != ffi.NULL:
             lib.rs_comm_destroy(self._c)
             self._c = ffi.NULL
 
     def shutdown(self):
-        """Close the ring. Waits (bounded by the timeout) until every healthy rank gets
-        here, so that no rank's exit looks like a failure to a peer still finishing."""
+        """Stop the engine and close the ring. Waits (bounded by the timeout) until every
+        healthy rank gets here, so that no rank's exit looks like a failure to a peer."""
         if self._c == ffi.NULL:
             return
-        if not lib.rs_comm_is_broken(self._c):
-            lib.rs_barrier(self._c)  # best effort: a failure here changes nothing
+        lib.rs_engine_shutdown(self._engine)  # a failure here changes nothing: we close
         self._destroy_native()
         self._mpi.Free()
-
-    def abort(self):
-        """Break every connection now so that peers see this rank as failed."""
-        if self._c != ffi.NULL:
-            lib.rs_comm_abort(self._c)
 
     @property
     def closed(self) -> bool:
         return self._c == ffi.NULL
-
-    def _check(self, status, what: str, name: Optional[str] = None):
-        if status == lib.RS_OK:
-            return
-        detail = ffi.string(lib.rs_comm_last_error(self._c)).decode()
-        raise _STATUS_ERRORS.get(status, CommunicationError)(
-            f"ringsync.{what}{_describe(name)} failed on rank {self._rank}: {detail}")
 
     # ---- topology ----
 
@@ -249,166 +202,270 @@ class Communicator:
     def cross_size(self) -> int:
         return self.topology.cross_size
 
-    # ---- collectives ----
+    # ---- handles ----
 
-    def allreduce_(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
-                   name=None):
-        """Reduce x over all ranks, in place; returns x's array."""
+    def _name(self, name: Optional[str], what: str) -> str:
+        """Names given by the caller, or generated in call order (the same on every rank
+        as long as ranks make their unnamed calls in the same order, as Horovod's do)."""
+        return str(name) if name is not None else f"{what}.noname.{next(self._auto_names)}"
+
+    def _submit(self, requests: List[_Request], finish: Callable, what: str) -> Handle:
+        n = len(requests)
+        names = [ffi.new("char[]", r.name.encode()) for r in requests]
+        structs = ffi.new("rs_request_t[]", n)
+        for i, r in enumerate(requests):
+            structs[i] = r.struct[0]
+        ids = ffi.new("int64_t[]", n)
+        status = lib.rs_engine_submit(self._engine, ffi.new("const char *[]", names), structs, n, ids)
+        if status != lib.RS_OK:
+            detail = ffi.string(lib.rs_engine_last_error(self._engine)).decode()
+            raise _STATUS_ERRORS.get(status, CommunicationError)(
+                f"ringsync.{what} failed on rank {self._rank}: {detail}")
+        return Handle(self, list(ids), tuple(r.keep for r in requests), finish, what,
+                      [r.name for r in requests])
+
+    def _request(self, what, kind, name, src, out, *, op=0, prescale=1.0, postscale=1.0,
+                 root=0, splits=None, reduces=False, urgent=False) -> _Request:
+        if src.ndim > lib.RS_MAX_DIMS:
+            raise UsageError(f"ringsync.{what}{describe(name)}: {src.ndim} dimensions; at most "
+                             f"{lib.RS_MAX_DIMS} are supported")
+        s = ffi.new("rs_request_t *")
+        s.kind = kind
+        s.dtype = dtype_code(src, what, name, reduces)
+        s.op, s.root = op, root
+        s.prescale, s.postscale = float(prescale), float(postscale)
+        s.ndim = src.ndim
+        for d, extent in enumerate(src.shape):
+            s.shape[d] = extent
+        s.sendbuf = pointer(src)
+        s.recvbuf = pointer(out) if out is not None else ffi.NULL
+        s.splits = ffi.cast("int64_t *", splits.ctypes.data) if splits is not None else ffi.NULL
+        s.urgent = int(urgent)
+        return _Request(name, s, (src, out, splits))
+
+    def poll(self, handle: Handle) -> bool:
+        """True once every tensor of the handle has completed (then synchronize won't block)."""
+        if handle._done:
+            return True
+        return all(lib.rs_engine_poll(self._engine, h) == 1 for h in handle._ids)
+
+    def synchronize(self, handle: Handle):
+        """Wait for the handle and return its result; raises the error it failed with."""
+        if handle._done:
+            return handle._result
+        if handle._comm is not self or self.closed:
+            raise UsageError(f"ringsync.synchronize: handle {handle!r} does not belong to the "
+                             "current (open) communicator")
+        done = ffi.new("int *")
+        statuses = []
+        for h in handle._ids:
+            status = lib.rs_engine_wait(self._engine, h, _WAIT_SLICE_SECONDS, done)
+            while status == lib.RS_OK and not done[0]:
+                status = lib.rs_engine_wait(self._engine, h, _WAIT_SLICE_SECONDS, done)
+            statuses.append(status)
+        try:
+            self._raise_for(handle, statuses)
+            handle._result = handle._finish()
+        finally:
+            for h in handle._ids:
+                lib.rs_engine_release(self._engine, h)
+            handle._done, handle._keep = True, None
+        return handle._result
+
+    def _raise_for(self, handle: Handle, statuses):
+        for h, name, status in zip(handle._ids, handle.names, statuses):
+            if status != lib.RS_OK:
+                detail = ffi.string(lib.rs_engine_handle_error(self._engine, h)).decode()
+                if not detail:
+                    detail = ffi.string(lib.rs_engine_last_error(self._engine)).decode()
+                raise _STATUS_ERRORS.get(status, CommunicationError)(
+                    f"ringsync.{handle._what}{describe(name)} failed on rank {self._rank}: {detail}")
+
+    def _take_result(self, handle_id):
+        data, rows = ffi.new("void **"), ffi.new("int64_t *")
+        splits = np.empty(self._size, dtype=np.int64)
+        lib.rs_engine_take_result(self._engine, handle_id, data, rows,
+                                  ffi.cast("int64_t *", splits.ctypes.data))
+        return data[0], int(rows[0]), splits
+
+    # ---- allreduce ----
+
+    def allreduce_async(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
+                        name=None, _urgent=False) -> Handle:
+        """Start reducing x over all ranks into a new array; synchronize returns it."""
+        src = as_input(x, "allreduce", name)
+        out = np.empty_like(src)
+        return self._allreduce(src, out, op, prescale_factor, postscale_factor, name, "allreduce",
+                               _urgent)
+
+    def allreduce_async_(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
+                         name=None, _urgent=False) -> Handle:
+        """Start reducing x in place; synchronize returns x's array."""
         out = as_output(x, "allreduce_", name)
-        self._allreduce(out, out, op, prescale_factor, postscale_factor, name, "allreduce_")
-        return out
+        return self._allreduce(out, out, op, prescale_factor, postscale_factor, name, "allreduce_",
+                               _urgent)
+
+    def _allreduce(self, src, out, op, prescale, postscale, name, what, urgent):
+        request = self._request(what, lib.RS_KIND_ALLREDUCE, self._name(name, "allreduce"), src,
+                                out, op=as_op(op, what), prescale=prescale, postscale=postscale,
+                                reduces=True, urgent=urgent)
+        return self._submit([request], lambda: out, what)
 
     def allreduce(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
                   name=None):
-        """Reduce x over all ranks into a new array of the same shape and dtype."""
-        src = as_input(x, "allreduce", name)
-        out = np.empty_like(src)
-        return self._allreduce(src, out, op, prescale_factor, postscale_factor, name, "allreduce")
+        return self.synchronize(self.allreduce_async(x, op, prescale_factor, postscale_factor,
+                                                     name, _urgent=True))
 
-    def _allreduce(self, src, out, op, prescale, postscale, name, what):
-        dtype = reducible_dtype(src, what, name)
+    def allreduce_(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
+                   name=None):
+        return self.synchronize(self.allreduce_async_(x, op, prescale_factor, postscale_factor,
+                                                      name, _urgent=True))
+
+    def grouped_allreduce_async(self, tensors, op=ReduceOp.AVERAGE, prescale_factor=1.0,
+                                postscale_factor=1.0, name=None, _in_place=False,
+                                _urgent=False) -> Handle:
+        """Reduce a list of tensors as one unit (negotiated together, fused together)."""
+        what = "grouped_allreduce_" if _in_place else "grouped_allreduce"
+        base = self._name(name, "grouped_allreduce")
         code = as_op(op, what)
-        self._check(lib.rs_allreduce(self._c, pointer(src), pointer(out), src.size, dtype, code,
-                                     float(prescale), float(postscale)), what, name)
-        return out
+        requests, outs = [], []
+        for i, x in enumerate(tensors):
+            src = as_output(x, what, f"{base}.{i}") if _in_place else as_input(x, what, f"{base}.{i}")
+            out = src if _in_place else np.empty_like(src)
+            outs.append(out)
+            requests.append(self._request(what, lib.RS_KIND_ALLREDUCE, f"{base}.{i}", src, out,
+                                          op=code, prescale=prescale_factor,
+                                          postscale=postscale_factor, reduces=True,
+                                          urgent=_urgent))
+        return self._submit(requests, lambda: outs, what)
+
+    def grouped_allreduce_async_(self, tensors, op=ReduceOp.AVERAGE, prescale_factor=1.0,
+                                 postscale_factor=1.0, name=None) -> Handle:
+        return self.grouped_allreduce_async(tensors, op, prescale_factor, postscale_factor, name,
+                                            _in_place=True)
+
+    def grouped_allreduce(self, tensors, op=ReduceOp.AVERAGE, prescale_factor=1.0,
+                          postscale_factor=1.0, name=None):
+        return self.synchronize(self.grouped_allreduce_async(
+            tensors, op, prescale_factor, postscale_factor, name, _urgent=True))
+
+    def grouped_allreduce_(self, tensors, op=ReduceOp.AVERAGE, prescale_factor=1.0,
+                           postscale_factor=1.0, name=None):
+        return self.synchronize(self.grouped_allreduce_async(
+            tensors, op, prescale_factor, postscale_factor, name, _in_place=True, _urgent=True))
+
+    # ---- allgather ----
+
+    def allgather_async(self, x, name=None, _urgent=False) -> Handle:
+        """Start concatenating every rank's x along the first dimension (which may differ
+        by rank; a 0-d array counts as one row)."""
+        src = as_input(x, "allgather", name)
+        src = src.reshape(1) if src.ndim == 0 else src
+        request = self._request("allgather", lib.RS_KIND_ALLGATHER, self._name(name, "allgather"),
+                                src, None, urgent=_urgent)
+        handle = None
+
+        def finish():
+            data, rows, _ = self._take_result(handle._ids[0])
+            return wrap_native_result(data, rows, src.shape[1:], src.dtype)
+
+        handle = self._submit([request], finish, "allgather")
+        return handle
 
     def allgather(self, x, name=None):
-        """Concatenate every rank's x along the first dimension, which may differ by rank."""
-        src = as_input(x, "allgather", name)
-        if src.ndim == 0:
-            src = src.reshape(1)
-        rows = self._check_same_layout(src, "allgather", name)
-        out = np.empty((int(rows.sum()),) + src.shape[1:], dtype=src.dtype)
-        row_elems = int(np.prod(src.shape[1:], dtype=np.int64))
-        counts = int64_array(rows * row_elems)
-        self._check(lib.rs_allgatherv(self._c, pointer(src), pointer(out),
-                                      ffi.cast("int64_t *", counts.ctypes.data), src.itemsize),
-                    "allgather", name)
-        return out
+        return self.synchronize(self.allgather_async(x, name, _urgent=True))
 
-    _LAYOUT_DIMS = 8
+    # ---- broadcast ----
 
-    def _gather_records(self, record: np.ndarray, what: str) -> np.ndarray:
-        """Every rank's fixed-size int64 record, in rank order."""
-        table = np.empty((self._size, record.size), dtype=np.int64)
-        counts = int64_array([record.size] * self._size)
-        self._check(lib.rs_allgatherv(self._c, pointer(record), pointer(table),
-                                      ffi.cast("int64_t *", counts.ctypes.data), 8), what)
-        return table
+    def broadcast_async(self, x, root_rank, name=None, _urgent=False) -> Handle:
+        out = np.array(as_input(x, "broadcast", name), copy=True)
+        return self._broadcast(out, root_rank, name, "broadcast", _urgent)
 
-    def _check_same_layout(self, src: np.ndarray, what: str, name) -> np.ndarray:
-        """Check that every rank passes the same dtype and trailing shape; return each
-        rank's first dimension. Every rank sees the same table, so all raise together."""
-        trailing = src.shape[1:]
-        if len(trailing) > self._LAYOUT_DIMS:
-            raise UsageError(f"ringsync.{what}: at most {self._LAYOUT_DIMS + 1} dimensions")
-        record = int64_array([src.shape[0], movable_dtype(src, what, name), len(trailing)]
-                             + list(trailing) + [-1] * (self._LAYOUT_DIMS - len(trailing)))
-        table = self._gather_records(record, what)
-        for r in range(self._size):
-            if not np.array_equal(table[r, 1:], table[0, 1:]):
-                raise UsageError(
-                    f"Mismatched {what} tensors{_for_name(name)}: rank 0 sent "
-                    f"{_layout_text(table[0])}, rank {r} sent {_layout_text(table[r])}")
-        return table[:, 0]
-
-    def broadcast_(self, x, root_rank, name=None):
-        """Overwrite x on every rank with root_rank's x, in place; returns x's array."""
+    def broadcast_async_(self, x, root_rank, name=None, _urgent=False) -> Handle:
         out = as_output(x, "broadcast_", name)
-        return self._broadcast(out, root_rank, name, "broadcast_")
+        return self._broadcast(out, root_rank, name, "broadcast_", _urgent)
+
+    def _broadcast(self, out, root_rank, name, what, urgent):
+        if not isinstance(root_rank, (int, np.integer)) or not 0 <= root_rank < self._size:
+            raise UsageError(f"ringsync.{what}: root_rank {root_rank!r}{describe(name)} is out "
+                             f"of range for {self._size} ranks (rank {self._rank})")
+        request = self._request(what, lib.RS_KIND_BROADCAST, self._name(name, "broadcast"), out,
+                                out, root=int(root_rank), urgent=urgent)
+        return self._submit([request], lambda: out, what)
 
     def broadcast(self, x, root_rank, name=None):
         """A new array holding root_rank's x on every rank."""
-        out = np.array(as_input(x, "broadcast", name), copy=True)
-        return self._broadcast(out, root_rank, name, "broadcast")
+        return self.synchronize(self.broadcast_async(x, root_rank, name, _urgent=True))
 
-    def _broadcast(self, out, root_rank, name, what):
-        movable_dtype(out, what, name)
-        if not isinstance(root_rank, (int, np.integer)) or not 0 <= root_rank < self._size:
-            raise UsageError(f"ringsync.{what}: root_rank {root_rank!r}{_describe(name)} is out "
-                             f"of range for {self._size} ranks (rank {self._rank})")
-        self._check(lib.rs_broadcast(self._c, pointer(out), out.nbytes, int(root_rank)), what, name)
-        return out
+    def broadcast_(self, x, root_rank, name=None):
+        """Overwrite x on every rank with root_rank's x, in place; returns x's array."""
+        return self.synchronize(self.broadcast_async_(x, root_rank, name, _urgent=True))
 
-    def reducescatter(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
-                      name=None):
-        """Reduce x over all ranks and give rank r the r-th slice of the first dimension
+    # ---- reducescatter ----
+
+    def reducescatter_async(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0,
+                            postscale_factor=1.0, name=None, _urgent=False) -> Handle:
+        """Reduce x over all ranks; rank r gets the r-th slice of the first dimension
         (split as evenly as possible, the first ranks taking one more row)."""
         src = as_input(x, "reducescatter", name)
         if src.ndim == 0:
-            raise UsageError(f"ringsync.reducescatter{_describe(name)}: needs at least one dimension")
-        dtype = reducible_dtype(src, "reducescatter", name)
-        code = as_op(op, "reducescatter")
-        rows = even_split(src.shape[0], self._size)
-        row_elems = int(np.prod(src.shape[1:], dtype=np.int64))
-        out = np.empty((rows[self._rank],) + src.shape[1:], dtype=src.dtype)
-        counts = int64_array(np.asarray(rows) * row_elems)
-        self._check(lib.rs_reducescatter(self._c, pointer(src), pointer(out),
-                                         ffi.cast("int64_t *", counts.ctypes.data), dtype, code,
-                                         float(prescale_factor), float(postscale_factor)),
-                    "reducescatter", name)
-        return out
+            raise UsageError(f"ringsync.reducescatter{describe(name)}: needs at least one dimension")
+        rows = even_split(src.shape[0], self._size)[self._rank]
+        out = np.empty((rows,) + src.shape[1:], dtype=src.dtype)
+        request = self._request("reducescatter", lib.RS_KIND_REDUCESCATTER,
+                                self._name(name, "reducescatter"), src, out,
+                                op=as_op(op, "reducescatter"), prescale=prescale_factor,
+                                postscale=postscale_factor, reduces=True, urgent=_urgent)
+        return self._submit([request], lambda: out, "reducescatter")
 
-    def alltoall(self, x, splits=None, name=None):
-        """Send splits[i] rows of x (in rank order) to rank i and receive every rank's rows
-        for this rank, concatenated in rank order. Returns (output, received_splits)
-        when splits is given, as Horovod does; otherwise the output only."""
+    def reducescatter(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
+                      name=None):
+        return self.synchronize(self.reducescatter_async(x, op, prescale_factor,
+                                                         postscale_factor, name, _urgent=True))
+
+    # ---- alltoall ----
+
+    def alltoall_async(self, x, splits=None, name=None, _urgent=False) -> Handle:
+        """Send splits[i] rows of x (in rank order) to rank i. synchronize returns the rows
+        received, in rank order, and — when splits was given, as in Horovod — the number of
+        rows received from each rank."""
         src = as_input(x, "alltoall", name)
         if src.ndim == 0:
-            raise UsageError(f"ringsync.alltoall{_describe(name)}: needs at least one dimension")
-        send_rows = self._alltoall_splits(src, splits, name)
-        row_bytes = int(np.prod(src.shape[1:], dtype=np.int64)) * src.itemsize
-        recv_rows = self._exchange_splits(src, send_rows, row_bytes, name)
-        out = np.empty((int(recv_rows.sum()),) + src.shape[1:], dtype=src.dtype)
-        send_bytes, recv_bytes = send_rows * row_bytes, recv_rows * row_bytes
-        self._check(lib.rs_alltoallv(self._c, pointer(src),
-                                     ffi.cast("int64_t *", send_bytes.ctypes.data), pointer(out),
-                                     ffi.cast("int64_t *", recv_bytes.ctypes.data)),
-                    "alltoall", name)
-        return out if splits is None else (out, recv_rows)
+            raise UsageError(f"ringsync.alltoall{describe(name)}: needs at least one dimension")
+        rows = None
+        if splits is not None:
+            rows = np.ascontiguousarray(np.asarray(splits).reshape(-1), dtype=np.int64)
+            if rows.size != self._size:
+                raise UsageError(f"ringsync.alltoall{describe(name)}: splits {rows.tolist()} on "
+                                 f"rank {self._rank} must have one entry per rank ({self._size})")
+        request = self._request("alltoall", lib.RS_KIND_ALLTOALL, self._name(name, "alltoall"),
+                                src, None, splits=rows, urgent=_urgent)
+        handle = None
 
-    def _alltoall_splits(self, src, splits, name) -> np.ndarray:
-        if splits is None:
-            if src.shape[0] % self._size:
-                raise UsageError(f"ringsync.alltoall{_describe(name)}: first dimension "
-                                 f"{src.shape[0]} is not divisible by {self._size} ranks; "
-                                 "pass splits=")
-            return int64_array([src.shape[0] // self._size] * self._size)
-        rows = int64_array(np.asarray(splits).reshape(-1))
-        if rows.size != self._size or (rows < 0).any() or rows.sum() != src.shape[0]:
-            raise UsageError(f"ringsync.alltoall{_describe(name)}: splits {rows.tolist()} on rank "
-                             f"{self._rank} must be {self._size} non-negative numbers summing "
-                             f"to the first dimension {src.shape[0]}")
-        return rows
+        def finish():
+            data, received, from_each = self._take_result(handle._ids[0])
+            out = wrap_native_result(data, received, src.shape[1:], src.dtype)
+            return out if splits is None else (out, from_each)
 
-    def _exchange_splits(self, src, send_rows, row_bytes, name) -> np.ndarray:
-        """Tell each rank how many rows it gets from us; check dtypes and row sizes agree."""
-        mine = [movable_dtype(src, "alltoall", name), row_bytes]
-        records = int64_array([[rows] + mine for rows in send_rows])
-        got = np.empty_like(records)
-        per_peer = int64_array([records.shape[1] * 8] * self._size)
-        self._check(lib.rs_alltoallv(self._c, pointer(records),
-                                     ffi.cast("int64_t *", per_peer.ctypes.data), pointer(got),
-                                     ffi.cast("int64_t *", per_peer.ctypes.data)),
-                    "alltoall", name)
-        for r in range(self._size):
-            if list(got[r, 1:]) != mine:
-                raise UsageError(
-                    f"Mismatched alltoall tensors{_for_name(name)}: rank {self._rank} sent "
-                    f"dtype {_MOVABLE[mine[0]]} with {mine[1]} bytes per row, rank {r} sent "
-                    f"dtype {_MOVABLE[got[r, 1]]} with {got[r, 2]} bytes per row")
-        return np.ascontiguousarray(got[:, 0])
+        handle = self._submit([request], finish, "alltoall")
+        return handle
+
+    def alltoall(self, x, splits=None, name=None):
+        return self.synchronize(self.alltoall_async(x, splits, name, _urgent=True))
+
+    # ---- barrier and timeline ----
 
     def barrier(self):
-        self._check(lib.rs_barrier(self._c), "barrier")
+        """Returns once every rank has called barrier()."""
+        request = self._request("barrier", lib.RS_KIND_BARRIER, self._name(None, "barrier"),
+                                np.empty(0, np.uint8), None, urgent=True)
+        self.synchronize(self._submit([request], lambda: None, "barrier"))
 
+    def start_timeline(self, path: str):
+        """Write a Chrome-trace timeline (open it in Perfetto) of every tensor's phases."""
+        if lib.rs_engine_start_timeline(self._engine, str(path).encode()) != lib.RS_OK:
+            detail = ffi.string(lib.rs_engine_last_error(self._engine)).decode()
+            raise UsageError(f"ringsync.start_timeline: {detail}")
 
-def even_split(n: int, parts: int) -> Sequence[int]:
-    """n split into `parts` nearly equal parts, the first n % parts one larger."""
-    return [n // parts + (i < n % parts) for i in range(parts)]
-
-
-def _layout_text(record: np.ndarray) -> str:
-    ndim = int(record[2])
-    trailing = [int(d) for d in record[3:3 + ndim]]
-    return f"dtype {_MOVABLE[int(record[1])]} with rows of shape {trailing}"
+    def stop_timeline(self):
+        lib.rs_engine_stop_timeline(self._engine)

@@ -1,6 +1,6 @@
 """Settings, read once from RINGSYNC_* environment variables into a Config object."""
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Mapping, Optional
 
 from .errors import UsageError
@@ -8,17 +8,29 @@ from .errors import UsageError
 
 @dataclass(frozen=True)
 class Config:
-    timeout_seconds: float = 300.0  # RINGSYNC_TIMEOUT_SECONDS: longest wait without progress
-    iface: Optional[str] = None  # RINGSYNC_IFACE: interface name or IP address to listen on
+    # RINGSYNC_TIMEOUT_SECONDS: longest wait without progress (or for other ranks to
+    # submit a tensor) before every pending request fails
+    timeout_seconds: float = 300.0
+    # RINGSYNC_IFACE: interface name or IP address to listen on and advertise
+    iface: Optional[str] = None
+    # RINGSYNC_FUSION_THRESHOLD: bytes of allreduces fused into one ring pass (0: off)
+    fusion_threshold: int = 64 << 20
+    # RINGSYNC_CYCLE_TIME_MS: longest wait for more asynchronous tensors to fuse
+    cycle_time_ms: float = 1.0
+    # RINGSYNC_STALL_CHECK_SECONDS: report tensors some ranks have not submitted (0: off)
+    stall_check_seconds: float = 60.0
+    # RINGSYNC_CACHE_CAPACITY: negotiations remembered so repeats cost one bit
+    cache_capacity: int = 4096
+    # RINGSYNC_TIMELINE: write a Chrome-trace timeline to this file
+    timeline: Optional[str] = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ, **overrides) -> "Config":
         values = {}
-        timeout = environ.get("RINGSYNC_TIMEOUT_SECONDS")
-        if timeout:
-            values["timeout_seconds"] = _positive_float("RINGSYNC_TIMEOUT_SECONDS", timeout)
-        if environ.get("RINGSYNC_IFACE"):
-            values["iface"] = environ["RINGSYNC_IFACE"]
+        for f in fields(cls):
+            text = environ.get("RINGSYNC_" + f.name.upper())
+            if text:
+                values[f.name] = _parse(f.name, text, f.default)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return replace(cls(), **values)
 
@@ -26,11 +38,15 @@ class Config:
         return asdict(self)
 
 
-def _positive_float(name: str, text: str) -> float:
+def _parse(field: str, text: str, default):
+    name = "RINGSYNC_" + field.upper()
+    if default is None or isinstance(default, str):
+        return text
+    kind = int if isinstance(default, int) else float
     try:
-        value = float(text)
+        value = kind(text)
     except ValueError:
-        raise UsageError(f"{name}={text!r} is not a number") from None
-    if value <= 0:
-        raise UsageError(f"{name}={text!r} must be positive")
+        raise UsageError(f"{name}={text!r} is not {'a whole number' if kind is int else 'a number'}") from None
+    if value < 0 or (value == 0 and field == "timeout_seconds"):
+        raise UsageError(f"{name}={text!r} must be {'positive' if field == 'timeout_seconds' else 'zero or more'}")
     return value

@@ -30,7 +30,8 @@ typedef enum {
     RS_FLOAT16 = 4,
     RS_BFLOAT16 = 5,
     RS_FLOAT32 = 6,
-    RS_FLOAT64 = 7
+    RS_FLOAT64 = 7,
+    RS_BOOL = 8 /* moved by allgather, broadcast and alltoall; never reduced */
 } rs_dtype_t;
 
 typedef enum {
@@ -93,5 +94,73 @@ rs_status_t rs_reduce_local(void *inout, const void *in, size_t count, rs_dtype_
                             rs_op_t op);
 /* buf[i] *= factor, computed in float32/float64 (integers are truncated toward zero). */
 rs_status_t rs_scale_local(void *buf, size_t count, rs_dtype_t dtype, double factor);
+
+/* --- the engine: a background thread per communicator that negotiates, fuses and runs
+ * requests. Submitting returns handles at once; every collective above then runs on the
+ * engine's thread, which is the only one touching the communicator's connections. --- */
+
+typedef struct rs_engine rs_engine_t;
+
+enum { RS_MAX_DIMS = 8 };
+
+typedef enum {
+    RS_KIND_ALLREDUCE = 0,
+    RS_KIND_ALLGATHER = 1,
+    RS_KIND_BROADCAST = 2,
+    RS_KIND_REDUCESCATTER = 3,
+    RS_KIND_ALLTOALL = 4,
+    RS_KIND_BARRIER = 5
+} rs_kind_t;
+
+/* One tensor. Buffers stay the caller's and must live until the handle completes.
+ * allreduce: sendbuf -> recvbuf (may be equal). broadcast: in place on recvbuf.
+ * reducescatter: recvbuf holds this rank's rows. allgather / alltoall: the engine
+ * allocates the output (rs_engine_result hands it over). */
+typedef struct {
+    int kind;
+    int dtype;
+    int op;
+    int root;
+    double prescale;
+    double postscale;
+    int ndim;
+    int64_t shape[8];
+    const void *sendbuf;
+    void *recvbuf;
+    const int64_t *splits; /* alltoall: rows sent to each rank (size entries); NULL = even */
+    int urgent;            /* a caller is waiting now: do not hold it back to fuse more */
+} rs_request_t;
+
+typedef struct {
+    int64_t fusion_threshold_bytes; /* 0 disables fusion */
+    double cycle_time_ms;           /* longest wait to gather more tensors into one fusion */
+    double stall_check_seconds;     /* report tensors some ranks have not submitted */
+    int cache_capacity;             /* negotiation cache entries */
+} rs_engine_config_t;
+
+rs_status_t rs_engine_create(rs_comm_t *comm, const rs_engine_config_t *config,
+                             rs_engine_t **out_engine);
+/* Submit n requests atomically (a group is fused as one unit); handles[i] receives each. */
+rs_status_t rs_engine_submit(rs_engine_t *engine, const char **names, const rs_request_t *requests,
+                             int n, int64_t *handles);
+/* 1 when the handle has completed (successfully or not), 0 while pending, -1 if unknown. */
+int rs_engine_poll(rs_engine_t *engine, int64_t handle);
+/* Wait up to timeout_seconds; *done says whether it completed. Returns its status. */
+rs_status_t rs_engine_wait(rs_engine_t *engine, int64_t handle, double timeout_seconds, int *done);
+/* The error text of a completed, failed handle (valid until release). */
+const char *rs_engine_handle_error(rs_engine_t *engine, int64_t handle);
+/* Output of allgather / alltoall: ownership of *data passes to the caller (rs_free).
+ * recv_splits (size entries, may be NULL) receives alltoall's rows from each rank. */
+rs_status_t rs_engine_take_result(rs_engine_t *engine, int64_t handle, void **data,
+                                  int64_t *rows, int64_t *recv_splits);
+void rs_engine_release(rs_engine_t *engine, int64_t handle);
+/* Collective: waits (bounded by the timeout) until every rank shuts down, then stops. */
+rs_status_t rs_engine_shutdown(rs_engine_t *engine);
+/* Stops the thread and fails every pending handle; does not touch the communicator. */
+void rs_engine_destroy(rs_engine_t *engine);
+const char *rs_engine_last_error(rs_engine_t *engine);
+rs_status_t rs_engine_start_timeline(rs_engine_t *engine, const char *path);
+rs_status_t rs_engine_stop_timeline(rs_engine_t *engine);
+void rs_free(void *p);
 
 #endif

@@ -55,6 +55,7 @@ rs_status_t rs_comm_create(int rank, int size, const char *bind_host, double tim
     comm->size = size;
     comm->timeout_seconds = timeout_seconds > 0 ? timeout_seconds : 300.0;
     comm->transport = &rs_tcp_transport;
+    comm->wake_fd = -1;
     comm->host_names = calloc((size_t)size, sizeof *comm->host_names);
     if (!comm->host_names) {
         free(comm);

@@ -17,10 +17,13 @@
 
 /* One wait request handed to a transport's poll: which peer, which direction. */
 typedef struct {
-    int peer;
+    int peer; /* or RS_WAKE_PEER: the communicator's wake_fd */
     int want_read;
     int want_write;
+    int ready; /* set by poll */
 } rs_wait_t;
+
+#define RS_WAKE_PEER (-1)
 
 /* A transport moves bytes between this rank and its peers. Algorithms only see this
  * table, so a new transport touches no algorithm. send/recv never block: they move
@@ -35,7 +38,7 @@ typedef struct rs_transport {
                            uint64_t token);
     rs_status_t (*send)(rs_comm_t *comm, int peer, const char *buf, size_t len, size_t *done);
     rs_status_t (*recv)(rs_comm_t *comm, int peer, char *buf, size_t len, size_t *done);
-    rs_status_t (*poll)(rs_comm_t *comm, const rs_wait_t *waits, int n, int timeout_ms,
+    rs_status_t (*poll)(rs_comm_t *comm, rs_wait_t *waits, int n, int timeout_ms,
                         int *lost_peer);
     void (*abort)(rs_comm_t *comm);
     void (*close)(rs_comm_t *comm);
@@ -54,6 +57,8 @@ struct rs_comm {
     char last_error[RS_ERROR_LEN];
     void *scratch; /* grows on demand; owned by the communicator, not global */
     size_t scratch_bytes;
+    int wake_fd; /* an engine's self-pipe, polled while idle (-1: none) */
+    int engine_attached;
 };
 
 /* Record an error in words; recoverable kinds also mark the communicator broken. */

@@ -141,9 +141,11 @@ int rs_dtype_valid(int dtype) { return dtype >= RS_UINT8 && dtype <= RS_FLOAT64;
 int rs_dtype_is_integer(rs_dtype_t dtype) { return dtype <= RS_INT64; }
 int rs_op_valid(int op) { return op >= RS_OP_SUM && op <= RS_OP_PRODUCT; }
 
+int rs_dtype_movable(int dtype) { return dtype >= RS_UINT8 && dtype <= RS_BOOL; }
+
 size_t rs_dtype_size(rs_dtype_t dtype) {
-    static const size_t sizes[8] = {1, 1, 4, 8, 2, 2, 4, 8};
-    return rs_dtype_valid(dtype) ? sizes[dtype] : 0;
+    static const size_t sizes[9] = {1, 1, 4, 8, 2, 2, 4, 8, 1};
+    return rs_dtype_movable(dtype) ? sizes[dtype] : 0;
 }
 
 rs_reduce_fn rs_reduce_kernel(rs_dtype_t dtype, rs_op_t op) {

@@ -74,7 +74,7 @@ static rs_status_t alloc_state(rs_comm_t *comm) {
     st->fds = malloc((size_t)comm->size * sizeof *st->fds);
     st->hung_up = calloc((size_t)comm->size, sizeof *st->hung_up);
     st->aborted = calloc((size_t)comm->size, sizeof *st->aborted);
-    st->pfds = malloc((size_t)comm->size * sizeof *st->pfds);
+    st->pfds = malloc(((size_t)comm->size + 1) * sizeof *st->pfds);
     if (!st->fds || !st->hung_up || !st->aborted || !st->pfds)
         return rs_fail(comm, RS_ERR_NOMEM, "out of memory");
     for (int i = 0; i < comm->size; i++)
@@ -321,30 +321,36 @@ static rs_status_t tcp_recv(rs_comm_t *comm, int peer, char *buf, size_t len, si
 
 /* Poll the requested directions, and every other peer for a hangup, so that a rank
  * that died anywhere in the job is noticed by every survivor. */
-static rs_status_t tcp_poll(rs_comm_t *comm, const rs_wait_t *waits, int n, int timeout_ms,
+static rs_status_t tcp_poll(rs_comm_t *comm, rs_wait_t *waits, int n, int timeout_ms,
                             int *lost_peer) {
     tcp_state_t *st = state_of(comm);
     int size = comm->size;
+    struct pollfd *pfds = st->pfds; /* one per peer, then the wake fd */
     for (int i = 0; i < size; i++) {
-        st->pfds[i].fd = (i == comm->rank || st->hung_up[i]) ? -1 : st->fds[i];
-        st->pfds[i].events = POLLRDHUP | POLLPRI;
-        st->pfds[i].revents = 0;
+        pfds[i].fd = (i == comm->rank || st->hung_up[i]) ? -1 : st->fds[i];
+        pfds[i].events = POLLRDHUP | POLLPRI;
+        pfds[i].revents = 0;
     }
+    pfds[size] = (struct pollfd){.fd = -1};
     for (int k = 0; k < n; k++) {
-        struct pollfd *p = &st->pfds[waits[k].peer];
-        p->fd = st->fds[waits[k].peer];
+        struct pollfd *p = waits[k].peer == RS_WAKE_PEER ? &pfds[size] : &pfds[waits[k].peer];
+        p->fd = waits[k].peer == RS_WAKE_PEER ? comm->wake_fd : st->fds[waits[k].peer];
         p->events |= (waits[k].want_read ? POLLIN : 0) | (waits[k].want_write ? POLLOUT : 0);
     }
-    int r = poll(st->pfds, (nfds_t)size, timeout_ms);
+    int r = poll(pfds, (nfds_t)size + 1, timeout_ms);
     if (r < 0 && errno != EINTR)
         return rs_fail(comm, RS_ERR_SYSTEM, "poll(): %s", strerror(errno));
+    for (int k = 0; k < n; k++) {
+        struct pollfd *p = waits[k].peer == RS_WAKE_PEER ? &pfds[size] : &pfds[waits[k].peer];
+        waits[k].ready = r > 0 && (p->revents & (p->events | POLLHUP | POLLERR)) != 0;
+    }
     *lost_peer = -1;
     int aborting_peer = -1;
     for (int i = 0; r > 0 && i < size; i++) {
-        short ev = st->pfds[i].revents;
+        short ev = pfds[i].revents;
         if (ev & POLLPRI)
             sent_abort_notice(comm, i); /* latch it before in-band reads pass its mark */
-        if (!(ev & (POLLRDHUP | POLLHUP | POLLERR)) || (st->pfds[i].events & (POLLIN | POLLOUT)))
+        if (!(ev & (POLLRDHUP | POLLHUP | POLLERR)) || (pfds[i].events & (POLLIN | POLLOUT)))
             continue; /* peers in the exchange report errors through send/recv */
         st->hung_up[i] = 1;
         if (sent_abort_notice(comm, i))

@@ -1,0 +1,699 @@
+/* The engine: a background thread per communicator. Callers submit requests and get
+ * handles at once; the thread negotiates with the other ranks, runs what is ready (fused)
+ * and completes the handles. It never sleeps a fixed cycle: while idle it blocks in poll
+ * on its left neighbour (a peer starting a negotiation round) and on a self-pipe
+ * (a local submission). */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "engine.h"
+
+#define MAX_NAME_LEN 4000
+#define FUSION_IDLE_GAP_SECONDS 100e-6 /* stop gathering once submissions pause this long */
+#define SHUTDOWN_NAME "ringsync.shutdown"
+
+struct rs_engine {
+    rs_comm_t *comm;
+    rs_engine_config_t config;
+    pthread_t thread;
+    int thread_started;
+    int wake[2]; /* self-pipe: submissions and stop requests wake the thread */
+
+    pthread_mutex_t mu; /* guards everything down to `failure_text` */
+    pthread_cond_t done_cv;
+    rs_work_t *queue_head, *queue_tail;
+    rs_work_t **slots;
+    uint32_t *generations;
+    int nslots;
+    rs_map_t in_flight; /* names of this rank's unfinished requests */
+    int stopping;
+    rs_status_t failure; /* once set, every pending and later request fails with it */
+    char failure_text[RS_ERROR_LEN];
+    char last_error[RS_ERROR_LEN];
+
+    /* the engine thread's own */
+    rs_negotiator_t negotiator;
+    rs_executor_t executor;
+    rs_timeline_t timeline;
+};
+
+/* ---- names for messages ---- */
+
+const char *rs_dtype_name(int dtype) {
+    static const char *names[] = {"uint8", "int8", "int32", "int64", "float16",
+                                  "bfloat16", "float32", "float64", "bool"};
+    return dtype >= 0 && dtype <= RS_BOOL ? names[dtype] : "unknown";
+}
+
+const char *rs_kind_name(int kind) {
+    static const char *names[] = {"allreduce", "allgather", "broadcast", "reducescatter",
+                                  "alltoall", "barrier"};
+    return kind >= 0 && kind <= RS_KIND_BARRIER ? names[kind] : "unknown";
+}
+
+const char *rs_op_name(int op) {
+    static const char *names[] = {"Sum", "Average", "Min", "Max", "Product"};
+    return rs_op_valid(op) ? names[op] : "unknown";
+}
+
+void rs_free(void *p) { free(p); }
+
+/* ---- handles ---- */
+
+static int64_t handle_of(rs_engine_t *e, int slot) {
+    return ((int64_t)e->generations[slot] << 32) | slot;
+}
+
+/* Under mu. NULL for a handle that is unknown or already released. */
+static rs_work_t *work_of(rs_engine_t *e, int64_t handle) {
+    int slot = (int)(handle & 0xffffffff);
+    if (handle < 0 || slot >= e->nslots || !e->slots[slot] || handle_of(e, slot) != handle)
+        return NULL;
+    return e->slots[slot];
+}
+
+static int take_slot(rs_engine_t *e) {
+    for (int i = 0; i < e->nslots; i++)
+        if (!e->slots[i])
+            return i;
+    int grown = e->nslots ? e->nslots * 2 : 64;
+    rs_work_t **slots = realloc(e->slots, (size_t)grown * sizeof *slots);
+    if (slots)
+        e->slots = slots;
+    uint32_t *gens = realloc(e->generations, (size_t)grown * sizeof *gens);
+    if (gens)
+        e->generations = gens;
+    if (!slots || !gens)
+        return -1;
+    for (int i = e->nslots; i < grown; i++) {
+        e->slots[i] = NULL;
+        e->generations[i] = 1;
+    }
+    int first = e->nslots;
+    e->nslots = grown;
+    return first;
+}
+
+static void free_work(rs_work_t *w) {
+    free(w->name);
+    free(w->splits);
+    free(w->error);
+    free(w->result);
+    free(w->result_splits);
+    free(w);
+}
+
+/* ---- completing requests ---- */
+
+/* Under mu. */
+static void finish_locked(rs_engine_t *e, rs_work_t *w) {
+    w->done = 1;
+    rs_map_remove(&e->in_flight, w->name);
+}
+
+static void fail_locked(rs_engine_t *e, rs_work_t *w) {
+    w->status = e->failure;
+    free(w->error);
+    w->error = strdup(e->failure_text);
+    finish_locked(e, w);
+}
+
+/* A broken communicator fails everything: pending here, queued, and later submissions.
+ * Aborting the communicator tells the peers, so they fail too instead of waiting. */
+static void engine_fail(rs_engine_t *e, rs_status_t st, const char *text) {
+    pthread_mutex_lock(&e->mu);
+    if (!e->failure) {
+        e->failure = st;
+        snprintf(e->failure_text, sizeof e->failure_text, "%s", text);
+    }
+    rs_negotiator_t *n = &e->negotiator;
+    for (size_t i = 0; i < n->pending.capacity; i++) {
+        rs_pending_t *p = n->pending.keys[i] ? n->pending.values[i] : NULL;
+        if (p && p->mine)
+            fail_locked(e, p->mine);
+        if (p)
+            rs_pending_free(p);
+    }
+    rs_map_free(&n->pending);
+    for (rs_work_t *w = e->queue_head; w; w = w->next)
+        fail_locked(e, w);
+    e->queue_head = e->queue_tail = NULL;
+    pthread_cond_broadcast(&e->done_cv);
+    pthread_mutex_unlock(&e->mu);
+    rs_comm_abort(e->comm);
+}
+
+static void fail_batch(rs_engine_t *e, rs_work_t **batch, int n) {
+    pthread_mutex_lock(&e->mu);
+    for (int i = 0; i < n; i++)
+        if (!batch[i]->done)
+            fail_locked(e, batch[i]);
+    pthread_cond_broadcast(&e->done_cv);
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* ---- the engine thread ---- */
+
+static void drain_wake_pipe(rs_engine_t *e) {
+    char buf[256];
+    while (read(e->wake[0], buf, sizeof buf) > 0) {
+    }
+}
+
+static void wake_thread(rs_engine_t *e) {
+    char c = 1;
+    if (write(e->wake[1], &c, 1) < 0 && errno != EAGAIN) {
+        /* a full pipe already wakes the thread */
+    }
+}
+
+/* Move the submission queue into the batch (under mu). */
+static int take_queue_locked(rs_engine_t *e, rs_work_t ***batch, int *n, int *cap) {
+    for (rs_work_t *w = e->queue_head; w; w = w->next) {
+        if (*n == *cap) {
+            int grown = *cap ? *cap * 2 : 64;
+            rs_work_t **b = realloc(*batch, (size_t)grown * sizeof *b);
+            if (!b)
+                return -1; /* the rest stays queued for the next round */
+            *batch = b;
+            *cap = grown;
+        }
+        (*batch)[(*n)++] = w;
+        e->queue_head = w->next;
+    }
+    if (!e->queue_head)
+        e->queue_tail = NULL;
+    return 0;
+}
+
+static int any_urgent(rs_work_t **batch, int n) {
+    for (int i = 0; i < n; i++)
+        if (batch[i]->urgent)
+            return 1;
+    return 0;
+}
+
+/* Asynchronous submissions tend to come in bursts (a backward pass): wait a little for the
+ * rest of the burst, at most cycle_time, so that they fuse. A waiting caller (urgent) or a
+ * pause in the burst ends the wait at once. */
+static void gather_more(rs_engine_t *e, rs_work_t ***batch, int *n, int *cap) {
+    double deadline = rs_now() + e->config.cycle_time_ms * 1e-3;
+    for (;;) {
+        pthread_mutex_lock(&e->mu);
+        int urgent = any_urgent(*batch, *n) || e->stopping;
+        pthread_mutex_unlock(&e->mu);
+        double left = deadline - rs_now();
+        if (urgent || left <= 0)
+            return;
+        double wait = left < FUSION_IDLE_GAP_SECONDS ? left : FUSION_IDLE_GAP_SECONDS;
+        struct timespec ts = {0, (long)(wait * 1e9)};
+        struct pollfd p = {.fd = e->wake[0], .events = POLLIN};
+        if (ppoll(&p, 1, &ts, NULL) <= 0)
+            return; /* the burst paused */
+        drain_wake_pipe(e);
+        pthread_mutex_lock(&e->mu);
+        int before = *n;
+        take_queue_locked(e, batch, n, cap);
+        pthread_mutex_unlock(&e->mu);
+        if (*n == before)
+            return;
+    }
+}
+
+static void complete_ready(rs_engine_t *e, rs_pending_t **ready, int nready, rs_status_t st) {
+    pthread_mutex_lock(&e->mu);
+    for (int i = 0; i < nready; i++) {
+        rs_work_t *w = ready[i]->mine;
+        if (w->status == (rs_status_t)-1) { /* not run: a failure stopped the round */
+            w->status = st;
+            w->error = strdup(e->comm->last_error);
+        }
+        finish_locked(e, w);
+    }
+    pthread_cond_broadcast(&e->done_cv);
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* One negotiation round and the work it makes ready. */
+static rs_status_t run_round(rs_engine_t *e, rs_work_t **batch, int nbatch) {
+    rs_pending_t **ready = NULL;
+    int nready = 0;
+    rs_status_t st = rs_negotiate(e->comm, &e->negotiator, batch, nbatch, &ready, &nready);
+    if (st != RS_OK)
+        return st;
+    double now = rs_now();
+    for (int i = 0; i < nready; i++) {
+        ready[i]->mine->status = (rs_status_t)-1;
+        if (e->timeline.file)
+            rs_timeline_span(&e->timeline, ready[i]->name, "NEGOTIATE",
+                             ready[i]->mine->submitted_at, now);
+    }
+    st = rs_execute(&e->executor, ready, nready);
+    for (int i = 0; i < nready; i++)
+        if (ready[i]->mine->status == RS_OK)
+            rs_negotiator_cache(&e->negotiator, ready[i]);
+    complete_ready(e, ready, nready, st);
+    for (int i = 0; i < nready; i++)
+        rs_pending_free(ready[i]);
+    free(ready);
+    return st;
+}
+
+/* Stall reports (rank 0) and the timeout; returns the next time either is due, or 0. */
+static double check_deadlines(rs_engine_t *e) {
+    rs_negotiator_t *n = &e->negotiator;
+    double now = rs_now(), next = 0;
+    if (e->comm->rank == 0 && e->config.stall_check_seconds > 0)
+        next = rs_negotiator_stalls(n, now, e->config.stall_check_seconds, stderr);
+    rs_pending_t *oldest = NULL;
+    for (size_t i = 0; i < n->pending.capacity; i++) {
+        rs_pending_t *p = n->pending.keys[i] ? n->pending.values[i] : NULL;
+        if (p && p->mine && (!oldest || p->mine->submitted_at < oldest->mine->submitted_at))
+            oldest = p;
+    }
+    if (!oldest)
+        return next;
+    double due = oldest->mine->submitted_at + e->comm->timeout_seconds;
+    if (now < due)
+        return next && next < due ? next : due;
+    char text[RS_ERROR_LEN], missing[512];
+    rs_pending_ranks(oldest, n->size, 0, missing, sizeof missing);
+    snprintf(text, sizeof text, "rank %d: tensor '%s' (%s) waited %.1f s for ranks %s to submit "
+             "it (RINGSYNC_TIMEOUT_SECONDS=%g); giving up", e->comm->rank, oldest->name,
+             rs_kind_name(oldest->mine->meta.kind), now - oldest->mine->submitted_at, missing,
+             e->comm->timeout_seconds);
+    rs_fail(e->comm, RS_ERR_TIMEOUT, "%s", text);
+    engine_fail(e, RS_ERR_TIMEOUT, text);
+    return 0;
+}
+
+static int has_local_pending(const rs_engine_t *e) {
+    const rs_map_t *m = &e->negotiator.pending;
+    for (size_t i = 0; i < m->capacity; i++)
+        if (m->keys[i] && ((rs_pending_t *)m->values[i])->mine)
+            return 1;
+    return 0;
+}
+
+/* Block until a local submission, a peer starting a round, a deadline, or a lost peer.
+ * Returns 1 when a peer has started a round that this rank must join. */
+static int idle_wait(rs_engine_t *e, double next_deadline) {
+    rs_comm_t *comm = e->comm;
+    rs_wait_t waits[2] = {{.peer = RS_WAKE_PEER, .want_read = 1},
+                          {.peer = (comm->rank + comm->size - 1) % comm->size, .want_read = 1}};
+    int nwaits = comm->size > 1 ? 2 : 1;
+    double left = next_deadline > 0 ? next_deadline - rs_now() : 1.0;
+    int timeout_ms = left <= 0 ? 0 : left > 1.0 ? 1000 : (int)(left * 1000) + 1;
+    int lost = -1;
+    rs_status_t st = comm->transport->poll(comm, waits, nwaits, timeout_ms, &lost);
+    drain_wake_pipe(e);
+    /* A peer gone while nothing of ours waits may just have shut down first; the next
+     * round finds out for sure. With our tensors waiting on it, fail them now. */
+    if (st == RS_OK && lost >= 0 && has_local_pending(e))
+        st = rs_fail(comm, RS_ERR_COMM, "rank %d: connection to rank %d (host %s) was lost "
+                     "(peer process gone?)", comm->rank, lost, rs_peer_host(comm, lost));
+    if (st != RS_OK) {
+        engine_fail(e, st, comm->last_error);
+        return 0;
+    }
+    return nwaits > 1 && waits[1].ready;
+}
+
+static void *engine_main(void *arg) {
+    rs_engine_t *e = arg;
+    rs_work_t **batch = NULL;
+    int cap = 0, peer_started = 0;
+    for (;;) {
+        int n = 0;
+        pthread_mutex_lock(&e->mu);
+        take_queue_locked(e, &batch, &n, &cap);
+        int stopping = e->stopping, failed = e->failure != RS_OK;
+        pthread_mutex_unlock(&e->mu);
+        if (failed) {
+            fail_batch(e, batch, n);
+            if (stopping)
+                break;
+            struct pollfd p = {.fd = e->wake[0], .events = POLLIN};
+            poll(&p, 1, 1000); /* sleep until stopped */
+            drain_wake_pipe(e);
+            continue;
+        }
+        if (n == 0 && !peer_started) {
+            if (stopping)
+                break;
+            peer_started = idle_wait(e, check_deadlines(e));
+            continue;
+        }
+        if (n > 0 && e->config.cycle_time_ms > 0)
+            gather_more(e, &batch, &n, &cap);
+        peer_started = 0;
+        rs_status_t st = run_round(e, batch, n);
+        if (st != RS_OK) {
+            engine_fail(e, st, e->comm->last_error);
+            fail_batch(e, batch, n); /* those the round never recorded */
+        }
+    }
+    free(batch);
+    return NULL;
+}
+
+/* ---- public API ---- */
+
+static void engine_free(rs_engine_t *e) {
+    if (e->wake[0] >= 0)
+        close(e->wake[0]);
+    if (e->wake[1] >= 0)
+        close(e->wake[1]);
+    for (int i = 0; i < e->nslots; i++)
+        if (e->slots[i])
+            free_work(e->slots[i]);
+    free(e->slots);
+    free(e->generations);
+    rs_map_free(&e->in_flight);
+    rs_negotiator_free(&e->negotiator);
+    rs_timeline_stop(&e->timeline);
+    pthread_mutex_destroy(&e->timeline.mu);
+    free(e->executor.fusion);
+    pthread_mutex_destroy(&e->mu);
+    pthread_cond_destroy(&e->done_cv);
+    free(e);
+}
+
+rs_status_t rs_engine_create(rs_comm_t *comm, const rs_engine_config_t *config,
+                             rs_engine_t **out_engine) {
+    if (comm->engine_attached)
+        return rs_fail(comm, RS_ERR_USAGE, "the communicator already has an engine");
+    rs_engine_t *e = calloc(1, sizeof *e);
+    if (!e)
+        return rs_fail(comm, RS_ERR_NOMEM, "out of memory");
+    e->comm = comm;
+    e->config = *config;
+    e->wake[0] = e->wake[1] = -1;
+    pthread_mutex_init(&e->mu, NULL);
+    pthread_condattr_t attr;
+    pthread_condattr_init(&attr);
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+    pthread_cond_init(&e->done_cv, &attr);
+    pthread_condattr_destroy(&attr);
+    rs_timeline_init(&e->timeline, comm->rank);
+    e->executor = (rs_executor_t){.comm = comm, .fusion_threshold = config->fusion_threshold_bytes,
+                                  .timeline = &e->timeline};
+    if (rs_negotiator_init(&e->negotiator, comm->rank, comm->size, config->cache_capacity) != RS_OK ||
+        pipe2(e->wake, O_NONBLOCK | O_CLOEXEC) != 0) {
+        engine_free(e);
+        return rs_fail(comm, RS_ERR_SYSTEM, "cannot set up the engine");
+    }
+    comm->wake_fd = e->wake[0];
+    if (pthread_create(&e->thread, NULL, engine_main, e) != 0) {
+        comm->wake_fd = -1;
+        engine_free(e);
+        return rs_fail(comm, RS_ERR_SYSTEM, "cannot start the engine thread");
+    }
+    e->thread_started = 1;
+    comm->engine_attached = 1;
+    *out_engine = e;
+    return RS_OK;
+}
+
+__attribute__((format(printf, 2, 3)))
+static rs_status_t usage(rs_engine_t *e, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e->last_error, sizeof e->last_error, fmt, ap);
+    va_end(ap);
+    return RS_ERR_USAGE;
+}
+
+/* Check one request on this rank alone (ranks are compared later, in negotiation). */
+static rs_status_t validate(rs_engine_t *e, const char *name, const rs_request_t *r) {
+    int size = e->comm->size;
+    if (!name || !*name || strlen(name) > MAX_NAME_LEN)
+        return usage(e, "tensor name '%.64s' must have 1 to %d characters", name ? name : "",
+                     MAX_NAME_LEN);
+    if (rs_map_get(&e->in_flight, name))
+        return usage(e, "tensor '%s' is already in flight on rank %d; synchronize it before "
+                     "submitting the name again", name, e->comm->rank);
+    if (r->kind < 0 || r->kind > RS_KIND_BARRIER)
+        return usage(e, "tensor '%s': unknown collective kind %d", name, r->kind);
+    int reduces = r->kind == RS_KIND_ALLREDUCE || r->kind == RS_KIND_REDUCESCATTER;
+    if (r->kind != RS_KIND_BARRIER && !(reduces ? rs_dtype_valid(r->dtype) : rs_dtype_movable(r->dtype)))
+        return usage(e, "tensor '%s': dtype %s is not supported by %s", name,
+                     rs_dtype_name(r->dtype), rs_kind_name(r->kind));
+    if (reduces && !rs_op_valid(r->op))
+        return usage(e, "tensor '%s': unknown reduction op %d", name, r->op);
+    if (r->kind == RS_KIND_BROADCAST && (r->root < 0 || r->root >= size))
+        return usage(e, "tensor '%s': root rank %d is out of range for %d ranks", name, r->root,
+                     size);
+    if (r->ndim < 0 || r->ndim > RS_MAX_DIMS)
+        return usage(e, "tensor '%s': %d dimensions; at most %d are supported", name, r->ndim,
+                     (int)RS_MAX_DIMS);
+    int needs_rows = r->kind == RS_KIND_ALLGATHER || r->kind == RS_KIND_ALLTOALL ||
+                     r->kind == RS_KIND_REDUCESCATTER;
+    if (needs_rows && r->ndim < 1)
+        return usage(e, "tensor '%s': %s needs at least one dimension", name,
+                     rs_kind_name(r->kind));
+    for (int d = 0; d < r->ndim; d++)
+        if (r->shape[d] < 0)
+            return usage(e, "tensor '%s': negative dimension %lld at axis %d", name,
+                         (long long)r->shape[d], d);
+    if (r->kind == RS_KIND_ALLTOALL && r->splits) {
+        int64_t sum = 0;
+        for (int i = 0; i < size; i++) {
+            if (r->splits[i] < 0)
+                return usage(e, "tensor '%s': negative alltoall split %lld for rank %d", name,
+                             (long long)r->splits[i], i);
+            sum += r->splits[i];
+        }
+        if (sum != r->shape[0])
+            return usage(e, "tensor '%s': alltoall splits sum to %lld, not to the first "
+                         "dimension %lld", name, (long long)sum, (long long)r->shape[0]);
+    } else if (r->kind == RS_KIND_ALLTOALL && r->shape[0] % size) {
+        return usage(e, "tensor '%s': first dimension %lld is not divisible by %d ranks; "
+                     "pass splits", name, (long long)r->shape[0], size);
+    }
+    return RS_OK;
+}
+
+static rs_work_t *new_work(rs_engine_t *e, const char *name, const rs_request_t *r) {
+    rs_work_t *w = calloc(1, sizeof *w);
+    if (!w || !(w->name = strdup(name))) {
+        free(w);
+        return NULL;
+    }
+    int reduces = r->kind == RS_KIND_ALLREDUCE || r->kind == RS_KIND_REDUCESCATTER;
+    w->meta.kind = r->kind;
+    w->meta.dtype = r->kind == RS_KIND_BARRIER ? 0 : r->dtype;
+    w->meta.op = reduces ? r->op : 0; /* unused fields stay equal on every rank */
+    w->meta.root = r->kind == RS_KIND_BROADCAST ? r->root : 0;
+    w->meta.prescale = reduces ? r->prescale : 1.0;
+    w->meta.postscale = reduces ? r->postscale : 1.0;
+    w->meta.ndim = r->ndim;
+    memcpy(w->meta.shape, r->shape, (size_t)r->ndim * sizeof(int64_t));
+    w->sendbuf = r->sendbuf;
+    w->recvbuf = r->recvbuf;
+    w->urgent = r->urgent;
+    if (r->kind == RS_KIND_ALLTOALL) {
+        int size = e->comm->size;
+        if (!(w->splits = malloc((size_t)size * sizeof(int64_t)))) {
+            free_work(w);
+            return NULL;
+        }
+        for (int i = 0; i < size; i++)
+            w->splits[i] = r->splits ? r->splits[i] : r->shape[0] / size;
+    }
+    return w;
+}
+
+/* Under mu: check every request first, so that a group is accepted whole or not at all. */
+static rs_status_t validate_all(rs_engine_t *e, const char **names, const rs_request_t *requests,
+                                int n) {
+    if (e->failure) {
+        snprintf(e->last_error, sizeof e->last_error, "%s", e->failure_text);
+        return e->failure;
+    }
+    if (e->stopping)
+        return usage(e, "the engine is shutting down");
+    for (int i = 0; i < n; i++) {
+        RS_CHECK(validate(e, names[i], &requests[i]));
+        for (int j = 0; j < i; j++)
+            if (strcmp(names[i], names[j]) == 0)
+                return usage(e, "tensor '%s' appears twice in one group", names[i]);
+    }
+    return RS_OK;
+}
+
+rs_status_t rs_engine_submit(rs_engine_t *e, const char **names, const rs_request_t *requests,
+                             int n, int64_t *handles) {
+    pthread_mutex_lock(&e->mu);
+    rs_status_t st = validate_all(e, names, requests, n);
+    int accepted = 0;
+    for (; st == RS_OK && accepted < n; accepted++) {
+        rs_work_t *w = new_work(e, names[accepted], &requests[accepted]);
+        int slot = w ? take_slot(e) : -1;
+        if (slot < 0 || rs_map_put(&e->in_flight, w->name, w) != 0) {
+            if (w)
+                free_work(w);
+            usage(e, "out of memory submitting '%s'", names[accepted]);
+            st = RS_ERR_NOMEM;
+            break;
+        }
+        e->slots[slot] = w;
+        w->handle = handles[accepted] = handle_of(e, slot);
+    }
+    if (st == RS_OK) { /* queue the whole group at once: it negotiates in one round */
+        for (int i = 0; i < n; i++) {
+            rs_work_t *w = work_of(e, handles[i]);
+            w->submitted_at = rs_now();
+            if (e->queue_tail)
+                e->queue_tail->next = w;
+            else
+                e->queue_head = w;
+            e->queue_tail = w;
+        }
+    } else {
+        for (int i = 0; i < accepted; i++) {
+            rs_work_t *w = work_of(e, handles[i]);
+            rs_map_remove(&e->in_flight, w->name);
+            e->slots[handles[i] & 0xffffffff] = NULL;
+            free_work(w);
+        }
+    }
+    pthread_mutex_unlock(&e->mu);
+    if (st == RS_OK)
+        wake_thread(e);
+    return st;
+}
+
+int rs_engine_poll(rs_engine_t *e, int64_t handle) {
+    pthread_mutex_lock(&e->mu);
+    rs_work_t *w = work_of(e, handle);
+    int done = w ? w->done : -1;
+    pthread_mutex_unlock(&e->mu);
+    return done;
+}
+
+rs_status_t rs_engine_wait(rs_engine_t *e, int64_t handle, double timeout_seconds, int *done) {
+    struct timespec until;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    double t = (double)until.tv_sec + until.tv_nsec * 1e-9 + timeout_seconds;
+    until.tv_sec = (time_t)t;
+    until.tv_nsec = (long)((t - (double)until.tv_sec) * 1e9);
+    pthread_mutex_lock(&e->mu);
+    rs_work_t *w = work_of(e, handle);
+    rs_status_t st = RS_ERR_USAGE;
+    if (w && !w->done && !w->urgent) {
+        w->urgent = 1; /* someone waits: stop gathering more into its fusion */
+        wake_thread(e);
+    }
+    while (w && !w->done && pthread_cond_timedwait(&e->done_cv, &e->mu, &until) != ETIMEDOUT) {
+    }
+    if (w)
+        st = w->done ? w->status : RS_OK;
+    else
+        snprintf(e->last_error, sizeof e->last_error, "unknown or released handle %lld",
+                 (long long)handle);
+    *done = w ? w->done : 0;
+    pthread_mutex_unlock(&e->mu);
+    return st;
+}
+
+const char *rs_engine_handle_error(rs_engine_t *e, int64_t handle) {
+    pthread_mutex_lock(&e->mu);
+    rs_work_t *w = work_of(e, handle);
+    const char *text = w && w->error ? w->error : "";
+    pthread_mutex_unlock(&e->mu);
+    return text;
+}
+
+rs_status_t rs_engine_take_result(rs_engine_t *e, int64_t handle, void **data, int64_t *rows,
+                                  int64_t *recv_splits) {
+    pthread_mutex_lock(&e->mu);
+    rs_work_t *w = work_of(e, handle);
+    rs_status_t st = w && w->done && w->status == RS_OK ? RS_OK : RS_ERR_USAGE;
+    if (st == RS_OK) {
+        *data = w->result;
+        *rows = w->result_rows;
+        w->result = NULL;
+        if (recv_splits && w->result_splits)
+            memcpy(recv_splits, w->result_splits, (size_t)e->comm->size * sizeof(int64_t));
+    }
+    pthread_mutex_unlock(&e->mu);
+    return st;
+}
+
+void rs_engine_release(rs_engine_t *e, int64_t handle) {
+    pthread_mutex_lock(&e->mu);
+    rs_work_t *w = work_of(e, handle);
+    if (w && w->done) { /* a pending request stays: the engine still writes to it */
+        int slot = (int)(handle & 0xffffffff);
+        e->slots[slot] = NULL;
+        e->generations[slot]++;
+        free_work(w);
+    }
+    pthread_mutex_unlock(&e->mu);
+}
+
+const char *rs_engine_last_error(rs_engine_t *e) { return e->last_error; }
+
+static void stop_thread(rs_engine_t *e) {
+    if (!e->thread_started)
+        return;
+    pthread_mutex_lock(&e->mu);
+    e->stopping = 1;
+    pthread_mutex_unlock(&e->mu);
+    wake_thread(e);
+    pthread_join(e->thread, NULL);
+    e->thread_started = 0;
+}
+
+rs_status_t rs_engine_shutdown(rs_engine_t *e) {
+    rs_request_t barrier = {.kind = RS_KIND_BARRIER, .urgent = 1};
+    const char *name = SHUTDOWN_NAME;
+    int64_t handle;
+    rs_status_t st = rs_engine_submit(e, &name, &barrier, 1, &handle);
+    int done = 0;
+    while (st == RS_OK && !done)
+        st = rs_engine_wait(e, handle, 1.0, &done);
+    stop_thread(e);
+    return st;
+}
+
+void rs_engine_destroy(rs_engine_t *e) {
+    if (!e)
+        return;
+    stop_thread(e);
+    pthread_mutex_lock(&e->mu);
+    if (!e->failure) {
+        e->failure = RS_ERR_COMM;
+        snprintf(e->failure_text, sizeof e->failure_text, "the engine was shut down");
+    }
+    for (int i = 0; i < e->nslots; i++)
+        if (e->slots[i] && !e->slots[i]->done)
+            fail_locked(e, e->slots[i]);
+    pthread_cond_broadcast(&e->done_cv);
+    pthread_mutex_unlock(&e->mu);
+    e->comm->wake_fd = -1;
+    e->comm->engine_attached = 0;
+    engine_free(e);
+}
+
+rs_status_t rs_engine_start_timeline(rs_engine_t *e, const char *path) {
+    rs_status_t st = rs_timeline_start(&e->timeline, path);
+    if (st != RS_OK)
+        snprintf(e->last_error, sizeof e->last_error, "%s '%s'",
+                 st == RS_ERR_USAGE ? "a timeline is already being written; cannot start"
+                                    : "cannot open the timeline file", path);
+    return st;
+}
+
+rs_status_t rs_engine_stop_timeline(rs_engine_t *e) {
+    rs_timeline_stop(&e->timeline);
+    return RS_OK;
+}

@@ -1,0 +1,140 @@
+/* Engine internals shared by engine.c (thread, handles), negotiate.c (who is ready),
+ * execute.c (fusion and running collectives) and timeline.c. */
+#ifndef RINGSYNC_ENGINE_H
+#define RINGSYNC_ENGINE_H
+
+#include <pthread.h>
+#include <stdio.h>
+
+#include "internal.h"
+
+/* What every rank must agree on for a tensor (allgather / alltoall: all but shape[0]). */
+typedef struct {
+    int32_t kind;
+    int32_t dtype;
+    int32_t op;
+    int32_t root;
+    int32_t ndim;
+    int32_t reserved;
+    double prescale;
+    double postscale;
+    int64_t shape[RS_MAX_DIMS];
+} rs_meta_t;
+
+/* One submitted tensor; owned by the engine from submit until release. */
+typedef struct rs_work {
+    int64_t handle;
+    char *name;
+    rs_meta_t meta;
+    const void *sendbuf;
+    void *recvbuf;
+    int64_t *splits; /* alltoall rows per destination (copied) */
+    int urgent;
+    double submitted_at;
+    /* set by the engine thread; read under the engine mutex once done */
+    int done;
+    rs_status_t status;
+    char *error;
+    void *result; /* allgather / alltoall output, until taken */
+    int64_t result_rows;
+    int64_t *result_splits;
+    struct rs_work *next; /* submission queue */
+} rs_work_t;
+
+/* ---- a small string -> pointer map (open addressing) ---- */
+typedef struct {
+    char **keys;
+    void **values;
+    size_t capacity;
+    size_t count;
+} rs_map_t;
+
+void *rs_map_get(const rs_map_t *m, const char *key);
+int rs_map_put(rs_map_t *m, const char *key, void *value); /* key is copied; 0 on success */
+void rs_map_remove(rs_map_t *m, const char *key);
+void rs_map_free(rs_map_t *m);
+
+/* ---- negotiation (engine thread only) ---- */
+
+/* A tensor some ranks have submitted and others not yet. */
+typedef struct {
+    char *name;
+    rs_meta_t *metas;         /* per rank, valid where submitted[r] */
+    unsigned char *submitted;
+    int count;
+    int64_t order;            /* first appearance: the order every rank runs ready tensors */
+    double first_seen;
+    int stall_reported;
+    rs_work_t *mine;          /* this rank's request, once submitted */
+} rs_pending_t;
+
+typedef struct {
+    int size;
+    int rank;
+    rs_map_t pending;         /* name -> rs_pending_t */
+    int64_t next_order;
+    /* response cache: a tensor negotiated once is later named by its id in a bitset */
+    int capacity;
+    int used;
+    char **cache_names;
+    rs_meta_t *cache_metas;
+    unsigned char *cache_valid;
+    rs_map_t cache_ids;       /* name -> (id + 1) */
+} rs_negotiator_t;
+
+rs_status_t rs_negotiator_init(rs_negotiator_t *n, int rank, int size, int capacity);
+void rs_negotiator_free(rs_negotiator_t *n);
+/* One negotiation round over the ring: exchange this rank's new requests (batch) and
+ * return, in agreed order, the tensors now submitted by every rank (caller frees the
+ * array and each rs_pending_t with rs_pending_free). */
+rs_status_t rs_negotiate(rs_comm_t *comm, rs_negotiator_t *n, rs_work_t **batch, int nbatch,
+                         rs_pending_t ***ready, int *nready);
+/* NULL if every rank's metadata agree, else a message naming tensor, ranks and values. */
+char *rs_check_agreement(const rs_pending_t *p, int size);
+/* Remember a successfully run tensor so later submissions cost one bit. */
+void rs_negotiator_cache(rs_negotiator_t *n, const rs_pending_t *p);
+void rs_pending_free(rs_pending_t *p);
+/* "[0, 2]": the ranks that have (want=1) or have not (want=0) submitted p. */
+void rs_pending_ranks(const rs_pending_t *p, int size, int want, char *out, size_t cap);
+/* Tensors waiting longer than `after` seconds, for the stall report: fills a message
+ * for each not yet reported (caller prints). Returns the earliest time a report could
+ * next be due (or 0 when none is waiting). */
+double rs_negotiator_stalls(rs_negotiator_t *n, double now, double after, FILE *out);
+
+/* ---- timeline (Chrome trace JSON) ---- */
+typedef struct {
+    pthread_mutex_t mu;
+    FILE *file;
+    int rank;
+    int events;
+    rs_map_t tids; /* tensor name -> track id */
+    int next_tid;
+} rs_timeline_t;
+
+void rs_timeline_init(rs_timeline_t *t, int rank);
+rs_status_t rs_timeline_start(rs_timeline_t *t, const char *path);
+void rs_timeline_stop(rs_timeline_t *t);
+/* One span of a tensor's life: NEGOTIATE, COPY_IN, RING, COPY_OUT. */
+void rs_timeline_span(rs_timeline_t *t, const char *tensor, const char *phase, double start,
+                      double end);
+
+/* ---- running ready tensors (execute.c) ---- */
+typedef struct {
+    rs_comm_t *comm;
+    int64_t fusion_threshold;
+    void *fusion;
+    size_t fusion_bytes;
+    rs_timeline_t *timeline;
+} rs_executor_t;
+
+/* Run the ready tensors in order, fusing neighbouring allreduces. Each rs_work_t gets its
+ * status; a communication failure is returned (every later tensor fails with it). */
+rs_status_t rs_execute(rs_executor_t *x, rs_pending_t **ready, int nready);
+
+int rs_dtype_movable(int dtype);
+const char *rs_dtype_name(int dtype);
+const char *rs_kind_name(int kind);
+const char *rs_op_name(int op);
+char *rs_strdup_printf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+#endif

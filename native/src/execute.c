@@ -1,0 +1,238 @@
+#define _GNU_SOURCE
+/* Running negotiated tensors: neighbouring allreduces with the same dtype, op and scale
+ * factors are packed into one fusion buffer and reduced in one ring pass. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine.h"
+
+static int64_t row_elements(const rs_meta_t *m) {
+    int64_t n = 1;
+    for (int d = 1; d < m->ndim; d++)
+        n *= m->shape[d];
+    return n;
+}
+
+static int64_t elements(const rs_meta_t *m) {
+    return m->ndim == 0 ? 1 : m->shape[0] * row_elements(m);
+}
+
+static size_t tensor_bytes(const rs_meta_t *m) {
+    return (size_t)elements(m) * rs_dtype_size(m->dtype);
+}
+
+static void span(rs_executor_t *x, const rs_pending_t *p, const char *phase, double start) {
+    if (x->timeline->file)
+        rs_timeline_span(x->timeline, p->name, phase, start, rs_now());
+}
+
+/* ---- allreduce, fused ---- */
+
+static int fusable(const rs_executor_t *x, const rs_pending_t *a, const rs_pending_t *b,
+                   size_t fused_bytes) {
+    const rs_meta_t *ma = &a->metas[0], *mb = &b->metas[0];
+    return x->fusion_threshold > 0 && mb->kind == RS_KIND_ALLREDUCE &&
+           ma->dtype == mb->dtype && ma->op == mb->op && ma->prescale == mb->prescale &&
+           ma->postscale == mb->postscale &&
+           fused_bytes + tensor_bytes(mb) <= (size_t)x->fusion_threshold;
+}
+
+static rs_status_t allreduce_one(rs_executor_t *x, rs_pending_t *p) {
+    const rs_meta_t *m = &p->metas[0];
+    double start = rs_now();
+    rs_status_t st = rs_allreduce(x->comm, p->mine->sendbuf, p->mine->recvbuf,
+                                  (size_t)elements(m), m->dtype, m->op, m->prescale, m->postscale);
+    span(x, p, "RING", start);
+    return st;
+}
+
+static rs_status_t fusion_buffer(rs_executor_t *x, size_t bytes, char **out) {
+    if (bytes > x->fusion_bytes) {
+        void *grown = realloc(x->fusion, bytes);
+        if (!grown)
+            return rs_fail(x->comm, RS_ERR_NOMEM, "cannot allocate a %zu-byte fusion buffer", bytes);
+        x->fusion = grown;
+        x->fusion_bytes = bytes;
+    }
+    *out = x->fusion;
+    return RS_OK;
+}
+
+static rs_status_t allreduce_fused(rs_executor_t *x, rs_pending_t **group, int n, size_t bytes) {
+    const rs_meta_t *m = &group[0]->metas[0];
+    char *fused = NULL;
+    RS_CHECK(fusion_buffer(x, bytes, &fused));
+    size_t at = 0;
+    for (int i = 0; i < n; i++) {
+        double start = rs_now();
+        size_t b = tensor_bytes(&group[i]->metas[0]);
+        memcpy(fused + at, group[i]->mine->sendbuf, b);
+        at += b;
+        span(x, group[i], "COPY_IN", start);
+    }
+    double start = rs_now();
+    RS_CHECK(rs_allreduce(x->comm, fused, fused, bytes / rs_dtype_size(m->dtype), m->dtype, m->op,
+                          m->prescale, m->postscale));
+    for (int i = 0; i < n; i++)
+        span(x, group[i], "RING", start);
+    at = 0;
+    for (int i = 0; i < n; i++) {
+        start = rs_now();
+        size_t b = tensor_bytes(&group[i]->metas[0]);
+        memcpy(group[i]->mine->recvbuf, fused + at, b);
+        at += b;
+        span(x, group[i], "COPY_OUT", start);
+    }
+    return RS_OK;
+}
+
+/* ---- the other collectives ---- */
+
+static rs_status_t run_allgather(rs_executor_t *x, rs_pending_t *p) {
+    rs_comm_t *comm = x->comm;
+    const rs_meta_t *m = &p->metas[comm->rank];
+    size_t elem = rs_dtype_size(m->dtype);
+    int64_t *counts = malloc((size_t)comm->size * sizeof *counts), rows = 0;
+    if (!counts)
+        return rs_fail(comm, RS_ERR_NOMEM, "out of memory");
+    for (int r = 0; r < comm->size; r++) {
+        counts[r] = p->metas[r].shape[0] * row_elements(m);
+        rows += p->metas[r].shape[0];
+    }
+    size_t bytes = (size_t)(rows * row_elements(m)) * elem;
+    void *out = malloc(bytes ? bytes : 1);
+    rs_status_t st = out ? RS_OK : rs_fail(comm, RS_ERR_NOMEM, "cannot allocate %zu bytes", bytes);
+    double start = rs_now();
+    if (st == RS_OK)
+        st = rs_allgatherv(comm, p->mine->sendbuf, out, counts, elem);
+    span(x, p, "RING", start);
+    free(counts);
+    if (st != RS_OK) {
+        free(out);
+        return st;
+    }
+    p->mine->result = out;
+    p->mine->result_rows = rows;
+    return RS_OK;
+}
+
+/* Tell every rank how many rows it receives from us, then move the rows. */
+static rs_status_t run_alltoall(rs_executor_t *x, rs_pending_t *p) {
+    rs_comm_t *comm = x->comm;
+    rs_work_t *w = p->mine;
+    size_t n = (size_t)comm->size, row_bytes = (size_t)row_elements(&w->meta) *
+                                                rs_dtype_size(w->meta.dtype);
+    int64_t *eights = malloc(n * 8), *recv_rows = malloc(n * 8), *send_bytes = malloc(n * 8),
+            *recv_bytes = malloc(n * 8);
+    rs_status_t st = eights && recv_rows && send_bytes && recv_bytes
+                         ? RS_OK : rs_fail(comm, RS_ERR_NOMEM, "out of memory");
+    for (size_t r = 0; st == RS_OK && r < n; r++)
+        eights[r] = 8;
+    double start = rs_now();
+    if (st == RS_OK)
+        st = rs_alltoallv(comm, w->splits, eights, recv_rows, eights);
+    int64_t rows = 0;
+    for (size_t r = 0; st == RS_OK && r < n; r++) {
+        send_bytes[r] = w->splits[r] * (int64_t)row_bytes;
+        recv_bytes[r] = recv_rows[r] * (int64_t)row_bytes;
+        rows += recv_rows[r];
+    }
+    void *out = st == RS_OK ? malloc((size_t)rows * row_bytes + 1) : NULL;
+    if (st == RS_OK && !out)
+        st = rs_fail(comm, RS_ERR_NOMEM, "out of memory");
+    if (st == RS_OK)
+        st = rs_alltoallv(comm, w->sendbuf, send_bytes, out, recv_bytes);
+    span(x, p, "RING", start);
+    free(eights);
+    free(send_bytes);
+    free(recv_bytes);
+    if (st != RS_OK) {
+        free(out);
+        free(recv_rows);
+        return st;
+    }
+    w->result = out;
+    w->result_rows = rows;
+    w->result_splits = recv_rows;
+    return RS_OK;
+}
+
+static rs_status_t run_reducescatter(rs_executor_t *x, rs_pending_t *p) {
+    rs_comm_t *comm = x->comm;
+    const rs_meta_t *m = &p->metas[0];
+    int64_t *counts = malloc((size_t)comm->size * sizeof *counts);
+    if (!counts)
+        return rs_fail(comm, RS_ERR_NOMEM, "out of memory");
+    int64_t rows = m->shape[0], size = comm->size;
+    for (int r = 0; r < comm->size; r++)
+        counts[r] = (rows / size + (r < rows % size)) * row_elements(m);
+    double start = rs_now();
+    rs_status_t st = rs_reducescatter(comm, p->mine->sendbuf, p->mine->recvbuf, counts, m->dtype,
+                                      m->op, m->prescale, m->postscale);
+    span(x, p, "RING", start);
+    free(counts);
+    return st;
+}
+
+static rs_status_t run_single(rs_executor_t *x, rs_pending_t *p) {
+    const rs_meta_t *m = &p->metas[0];
+    double start = rs_now();
+    switch (m->kind) {
+    case RS_KIND_ALLREDUCE:
+        return allreduce_one(x, p);
+    case RS_KIND_BROADCAST: {
+        rs_status_t st = rs_broadcast(x->comm, p->mine->recvbuf, tensor_bytes(m), m->root);
+        span(x, p, "RING", start);
+        return st;
+    }
+    case RS_KIND_ALLGATHER:
+        return run_allgather(x, p);
+    case RS_KIND_ALLTOALL:
+        return run_alltoall(x, p);
+    case RS_KIND_REDUCESCATTER:
+        return run_reducescatter(x, p);
+    default: /* barrier: negotiation already proved that every rank got here */
+        return RS_OK;
+    }
+}
+
+/* A failure that leaves the communicator working belongs to this tensor only. */
+static rs_status_t settle(rs_executor_t *x, rs_pending_t **group, int n, rs_status_t st) {
+    for (int i = 0; i < n; i++) {
+        group[i]->mine->status = st;
+        if (st != RS_OK)
+            group[i]->mine->error = strdup(x->comm->last_error);
+    }
+    return st == RS_ERR_COMM || st == RS_ERR_TIMEOUT || st == RS_ERR_SYSTEM ? st : RS_OK;
+}
+
+rs_status_t rs_execute(rs_executor_t *x, rs_pending_t **ready, int nready) {
+    int i = 0;
+    while (i < nready) {
+        rs_pending_t *p = ready[i];
+        char *disagreement = rs_check_agreement(p, x->comm->size);
+        if (disagreement) { /* every rank finds the same: each fails it alike */
+            p->mine->status = RS_ERR_USAGE;
+            p->mine->error = disagreement;
+            i++;
+            continue;
+        }
+        int n = 1;
+        size_t bytes = tensor_bytes(&p->metas[0]);
+        if (p->metas[0].kind == RS_KIND_ALLREDUCE) {
+            while (i + n < nready && fusable(x, p, ready[i + n], bytes)) {
+                char *other = rs_check_agreement(ready[i + n], x->comm->size);
+                if (other) {
+                    free(other);
+                    break; /* it fails on its own in the next round of this loop */
+                }
+                bytes += tensor_bytes(&ready[i + n]->metas[0]);
+                n++;
+            }
+        }
+        rs_status_t st = n > 1 ? allreduce_fused(x, ready + i, n, bytes) : run_single(x, p);
+        RS_CHECK(settle(x, ready + i, n, st));
+        i += n;
+    }
+    return RS_OK;
+}

@@ -1,0 +1,502 @@
+/* Negotiation: ranks submit tensors in any order; a tensor runs once every rank has
+ * submitted it, and every rank derives the same ready list in the same order from the
+ * same gathered messages (no coordinator). A tensor negotiated once is cached: later
+ * submissions with the same metadata cost one bit in a fixed-size bitset. */
+#define _GNU_SOURCE
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine.h"
+
+/* ---- string map ---- */
+
+static uint64_t hash_string(const char *s) {
+    uint64_t h = 1469598103934665603ULL; /* FNV-1a */
+    for (; *s; s++)
+        h = (h ^ (unsigned char)*s) * 1099511628211ULL;
+    return h;
+}
+
+static size_t slot_of(const rs_map_t *m, const char *key) {
+    size_t i = hash_string(key) & (m->capacity - 1);
+    while (m->keys[i] && strcmp(m->keys[i], key) != 0)
+        i = (i + 1) & (m->capacity - 1);
+    return i;
+}
+
+void *rs_map_get(const rs_map_t *m, const char *key) {
+    if (!m->capacity)
+        return NULL;
+    size_t i = slot_of(m, key);
+    return m->keys[i] ? m->values[i] : NULL;
+}
+
+static int map_grow(rs_map_t *m) {
+    rs_map_t bigger = {0};
+    bigger.capacity = m->capacity ? m->capacity * 2 : 64;
+    bigger.keys = calloc(bigger.capacity, sizeof *bigger.keys);
+    bigger.values = calloc(bigger.capacity, sizeof *bigger.values);
+    if (!bigger.keys || !bigger.values) {
+        free(bigger.keys);
+        free(bigger.values);
+        return -1;
+    }
+    for (size_t i = 0; i < m->capacity; i++) {
+        if (!m->keys[i])
+            continue;
+        size_t j = slot_of(&bigger, m->keys[i]);
+        bigger.keys[j] = m->keys[i];
+        bigger.values[j] = m->values[i];
+        bigger.count++;
+    }
+    free(m->keys);
+    free(m->values);
+    *m = bigger;
+    return 0;
+}
+
+int rs_map_put(rs_map_t *m, const char *key, void *value) {
+    if ((m->count + 1) * 2 > m->capacity && map_grow(m) != 0)
+        return -1;
+    size_t i = slot_of(m, key);
+    if (!m->keys[i]) {
+        if (!(m->keys[i] = strdup(key)))
+            return -1;
+        m->count++;
+    }
+    m->values[i] = value;
+    return 0;
+}
+
+void rs_map_remove(rs_map_t *m, const char *key) {
+    if (!m->capacity)
+        return;
+    size_t i = slot_of(m, key);
+    if (!m->keys[i])
+        return;
+    free(m->keys[i]);
+    m->keys[i] = NULL;
+    m->count--;
+    /* Re-insert the rest of the cluster so that lookups do not stop at the hole. */
+    for (size_t j = (i + 1) & (m->capacity - 1); m->keys[j]; j = (j + 1) & (m->capacity - 1)) {
+        char *k = m->keys[j];
+        void *v = m->values[j];
+        m->keys[j] = NULL;
+        size_t to = slot_of(m, k);
+        m->keys[to] = k;
+        m->values[to] = v;
+    }
+}
+
+void rs_map_free(rs_map_t *m) {
+    for (size_t i = 0; i < m->capacity; i++)
+        free(m->keys[i]);
+    free(m->keys);
+    free(m->values);
+    memset(m, 0, sizeof *m);
+}
+
+char *rs_strdup_printf(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    char *out = NULL;
+    if (vasprintf(&out, fmt, ap) < 0)
+        out = NULL;
+    va_end(ap);
+    return out;
+}
+
+/* ---- negotiator state ---- */
+
+rs_status_t rs_negotiator_init(rs_negotiator_t *n, int rank, int size, int capacity) {
+    memset(n, 0, sizeof *n);
+    n->rank = rank;
+    n->size = size;
+    n->capacity = capacity > 0 ? capacity : 0;
+    n->cache_names = calloc((size_t)n->capacity + 1, sizeof *n->cache_names);
+    n->cache_metas = calloc((size_t)n->capacity + 1, sizeof *n->cache_metas);
+    n->cache_valid = calloc((size_t)n->capacity + 1, 1);
+    return n->cache_names && n->cache_metas && n->cache_valid ? RS_OK : RS_ERR_NOMEM;
+}
+
+void rs_pending_free(rs_pending_t *p) {
+    if (!p)
+        return;
+    free(p->name);
+    free(p->metas);
+    free(p->submitted);
+    free(p);
+}
+
+void rs_negotiator_free(rs_negotiator_t *n) {
+    for (size_t i = 0; i < n->pending.capacity; i++)
+        if (n->pending.keys[i])
+            rs_pending_free(n->pending.values[i]);
+    rs_map_free(&n->pending);
+    for (int i = 0; i < n->used; i++)
+        free(n->cache_names[i]);
+    free(n->cache_names);
+    free(n->cache_metas);
+    free(n->cache_valid);
+    rs_map_free(&n->cache_ids);
+}
+
+static int cacheable(int kind) {
+    /* Gathers carry a per-rank first dimension, so their metadata differ by rank. */
+    return kind != RS_KIND_ALLGATHER && kind != RS_KIND_ALLTOALL;
+}
+
+static int cache_id(const rs_negotiator_t *n, const char *name) {
+    intptr_t id = (intptr_t)rs_map_get(&n->cache_ids, name);
+    return id > 0 && n->cache_valid[id - 1] ? (int)id - 1 : -1;
+}
+
+void rs_negotiator_cache(rs_negotiator_t *n, const rs_pending_t *p) {
+    int kind = p->metas[0].kind;
+    if (!cacheable(kind) || n->used >= n->capacity || cache_id(n, p->name) >= 0)
+        return;
+    char *name = strdup(p->name);
+    if (!name || rs_map_put(&n->cache_ids, name, (void *)(intptr_t)(n->used + 1)) != 0) {
+        free(name);
+        return; /* without memory the tensor simply stays uncached */
+    }
+    n->cache_names[n->used] = name;
+    n->cache_metas[n->used] = p->metas[0];
+    n->cache_valid[n->used] = 1;
+    n->used++;
+}
+
+/* ---- recording submissions ---- */
+
+typedef struct {
+    rs_pending_t **items;
+    int count;
+    int capacity;
+} pending_list_t;
+
+static int list_add(pending_list_t *l, rs_pending_t *p) {
+    if (l->count == l->capacity) {
+        int cap = l->capacity ? l->capacity * 2 : 16;
+        rs_pending_t **grown = realloc(l->items, (size_t)cap * sizeof *grown);
+        if (!grown)
+            return -1;
+        l->items = grown;
+        l->capacity = cap;
+    }
+    l->items[l->count++] = p;
+    return 0;
+}
+
+static rs_pending_t *pending_for(rs_negotiator_t *n, const char *name, double now) {
+    rs_pending_t *p = rs_map_get(&n->pending, name);
+    if (p)
+        return p;
+    p = calloc(1, sizeof *p);
+    if (!p)
+        return NULL;
+    p->name = strdup(name);
+    p->metas = calloc((size_t)n->size, sizeof *p->metas);
+    p->submitted = calloc((size_t)n->size, 1);
+    p->order = n->next_order++;
+    p->first_seen = now;
+    if (!p->name || !p->metas || !p->submitted || rs_map_put(&n->pending, name, p) != 0) {
+        rs_pending_free(p);
+        return NULL;
+    }
+    return p;
+}
+
+/* Rank r submitted `name` with `meta`. Touched tensors are collected to check readiness. */
+static rs_status_t record(rs_negotiator_t *n, int r, const char *name, const rs_meta_t *meta,
+                          const rs_map_t *mine, pending_list_t *touched, double now) {
+    rs_pending_t *p = pending_for(n, name, now);
+    if (!p || list_add(touched, p) != 0)
+        return RS_ERR_NOMEM;
+    if (!p->submitted[r]) {
+        p->submitted[r] = 1;
+        p->count++;
+    }
+    p->metas[r] = *meta;
+    if (r == n->rank)
+        p->mine = rs_map_get(mine, name);
+    return RS_OK;
+}
+
+/* ---- wire format ---- */
+
+typedef struct {
+    uint32_t payload_bytes; /* uncached requests, sent in a second round */
+    uint32_t words;         /* bitset words that follow (the same on every rank) */
+} round_header_t;
+
+typedef struct {
+    uint32_t name_len;
+    uint32_t reserved;
+    rs_meta_t meta;
+} entry_header_t;
+
+static size_t bitset_words(const rs_negotiator_t *n) { return ((size_t)n->used + 63) / 64; }
+
+/* Split the batch into cache bits and serialized entries. */
+static rs_status_t encode(const rs_negotiator_t *n, rs_work_t **batch, int nbatch,
+                          uint64_t *bits, char **payload, size_t *payload_bytes) {
+    size_t total = 0;
+    for (int i = 0; i < nbatch; i++)
+        total += sizeof(entry_header_t) + strlen(batch[i]->name);
+    char *out = malloc(total ? total : 1), *at = out;
+    if (!out)
+        return RS_ERR_NOMEM;
+    for (int i = 0; i < nbatch; i++) {
+        const rs_work_t *w = batch[i];
+        int id = cache_id(n, w->name);
+        if (id >= 0 && memcmp(&n->cache_metas[id], &w->meta, sizeof w->meta) == 0) {
+            bits[id / 64] |= 1ULL << (id % 64);
+            continue;
+        }
+        entry_header_t h = {(uint32_t)strlen(w->name), 0, w->meta};
+        memcpy(at, &h, sizeof h);
+        memcpy(at + sizeof h, w->name, h.name_len);
+        at += sizeof h + h.name_len;
+    }
+    *payload = out;
+    *payload_bytes = (size_t)(at - out);
+    return RS_OK;
+}
+
+static rs_status_t decode_bits(rs_negotiator_t *n, int r, const uint64_t *bits, size_t words,
+                               const rs_map_t *mine, pending_list_t *touched, double now) {
+    for (size_t w = 0; w < words; w++)
+        for (uint64_t b = bits[w]; b; b &= b - 1) {
+            int id = (int)(w * 64 + (size_t)__builtin_ctzll(b));
+            RS_CHECK(record(n, r, n->cache_names[id], &n->cache_metas[id], mine, touched, now));
+        }
+    return RS_OK;
+}
+
+static rs_status_t decode_entries(rs_negotiator_t *n, int r, const char *data, size_t bytes,
+                                  const rs_map_t *mine, pending_list_t *touched, double now) {
+    const char *at = data, *end = data + bytes;
+    char name[4096];
+    while (at + sizeof(entry_header_t) <= end) {
+        entry_header_t h;
+        memcpy(&h, at, sizeof h);
+        size_t len = h.name_len < sizeof name - 1 ? h.name_len : sizeof name - 1;
+        memcpy(name, at + sizeof h, len);
+        name[len] = '\0';
+        at += sizeof h + h.name_len;
+        int id = cache_id(n, name);
+        if (id >= 0)
+            n->cache_valid[id] = 0; /* its metadata changed: every rank drops it alike */
+        RS_CHECK(record(n, r, name, &h.meta, mine, touched, now));
+    }
+    return RS_OK;
+}
+
+static int by_order(const void *a, const void *b) {
+    int64_t x = (*(rs_pending_t *const *)a)->order, y = (*(rs_pending_t *const *)b)->order;
+    return (x > y) - (x < y);
+}
+
+/* Tensors every rank has now submitted, each once, in first-appearance order. */
+static rs_status_t collect_ready(rs_negotiator_t *n, pending_list_t *touched,
+                                 rs_pending_t ***ready, int *nready) {
+    rs_pending_t **out = malloc((size_t)(touched->count ? touched->count : 1) * sizeof *out);
+    if (!out)
+        return RS_ERR_NOMEM;
+    int k = 0;
+    for (int i = 0; i < touched->count; i++) {
+        rs_pending_t *p = touched->items[i];
+        if (p->count == n->size && rs_map_get(&n->pending, p->name) == p) {
+            rs_map_remove(&n->pending, p->name);
+            out[k++] = p;
+        }
+    }
+    qsort(out, (size_t)k, sizeof *out, by_order);
+    *ready = out;
+    *nready = k;
+    return RS_OK;
+}
+
+static rs_status_t exchange(rs_comm_t *comm, rs_negotiator_t *n, const uint64_t *bits,
+                            size_t words, const char *payload, size_t payload_bytes,
+                            char **gathered_bits, char **gathered_payload, int64_t **sizes) {
+    size_t record_bytes = sizeof(round_header_t) + words * 8;
+    char *mine = calloc(1, record_bytes);
+    char *all = malloc(record_bytes * (size_t)n->size);
+    int64_t *counts = malloc((size_t)n->size * sizeof *counts);
+    *gathered_bits = all;
+    *sizes = counts;
+    *gathered_payload = NULL;
+    if (!mine || !all || !counts) {
+        free(mine);
+        return RS_ERR_NOMEM;
+    }
+    round_header_t h = {(uint32_t)payload_bytes, (uint32_t)words};
+    memcpy(mine, &h, sizeof h);
+    memcpy(mine + sizeof h, bits, words * 8);
+    for (int r = 0; r < n->size; r++)
+        counts[r] = 1;
+    rs_status_t st = rs_allgatherv(comm, mine, all, counts, record_bytes);
+    free(mine);
+    RS_CHECK(st);
+    int64_t total = 0;
+    for (int r = 0; r < n->size; r++) {
+        memcpy(&h, all + (size_t)r * record_bytes, sizeof h);
+        counts[r] = h.payload_bytes;
+        total += counts[r];
+    }
+    if (total == 0)
+        return RS_OK;
+    /* Second round, only when some rank sent tensors the cache does not know. */
+    if (!(*gathered_payload = malloc((size_t)total)))
+        return RS_ERR_NOMEM;
+    return rs_allgatherv(comm, payload, *gathered_payload, counts, 1);
+}
+
+rs_status_t rs_negotiate(rs_comm_t *comm, rs_negotiator_t *n, rs_work_t **batch, int nbatch,
+                         rs_pending_t ***ready, int *nready) {
+    size_t words = bitset_words(n);
+    uint64_t *bits = calloc(words ? words : 1, 8);
+    rs_map_t mine = {0};
+    char *payload = NULL, *gathered_bits = NULL, *gathered_payload = NULL;
+    int64_t *sizes = NULL;
+    pending_list_t touched = {0};
+    size_t payload_bytes = 0;
+    rs_status_t st = bits ? RS_OK : RS_ERR_NOMEM;
+    for (int i = 0; st == RS_OK && i < nbatch; i++)
+        if (rs_map_put(&mine, batch[i]->name, batch[i]) != 0)
+            st = RS_ERR_NOMEM;
+    if (st == RS_OK)
+        st = encode(n, batch, nbatch, bits, &payload, &payload_bytes);
+    if (st == RS_OK)
+        st = exchange(comm, n, bits, words, payload, payload_bytes, &gathered_bits,
+                      &gathered_payload, &sizes);
+    double now = rs_now();
+    size_t record_bytes = sizeof(round_header_t) + words * 8;
+    const char *entries = gathered_payload;
+    for (int r = 0; st == RS_OK && r < n->size; r++) {
+        const uint64_t *rank_bits = (const uint64_t *)(gathered_bits + (size_t)r * record_bytes +
+                                                       sizeof(round_header_t));
+        st = decode_bits(n, r, rank_bits, words, &mine, &touched, now);
+        if (st == RS_OK && sizes[r] > 0) {
+            st = decode_entries(n, r, entries, (size_t)sizes[r], &mine, &touched, now);
+            entries += sizes[r];
+        }
+    }
+    if (st == RS_OK)
+        st = collect_ready(n, &touched, ready, nready);
+    if (st == RS_ERR_NOMEM)
+        st = rs_fail(comm, RS_ERR_COMM, "rank %d: out of memory while negotiating", comm->rank);
+    free(bits);
+    free(payload);
+    free(gathered_bits);
+    free(gathered_payload);
+    free(sizes);
+    free(touched.items);
+    rs_map_free(&mine);
+    return st;
+}
+
+/* ---- agreement across ranks ---- */
+
+static void shape_text(const rs_meta_t *m, char *out, size_t cap) {
+    size_t at = (size_t)snprintf(out, cap, "[");
+    for (int d = 0; d < m->ndim && at < cap; d++)
+        at += (size_t)snprintf(out + at, cap - at, d ? ", %lld" : "%lld", (long long)m->shape[d]);
+    if (at < cap)
+        snprintf(out + at, cap - at, "]");
+}
+
+static int shapes_agree(const rs_meta_t *a, const rs_meta_t *b) {
+    if (a->ndim != b->ndim)
+        return 0;
+    /* Gathers may differ in the first dimension only. */
+    int first = a->kind == RS_KIND_ALLGATHER || a->kind == RS_KIND_ALLTOALL ? 1 : 0;
+    for (int d = first; d < a->ndim; d++)
+        if (a->shape[d] != b->shape[d])
+            return 0;
+    return 1;
+}
+
+static char *mismatch(const rs_pending_t *p, int r) {
+    const rs_meta_t *a = &p->metas[0], *b = &p->metas[r];
+    const char *kind = rs_kind_name(a->kind);
+    if (a->kind != b->kind)
+        return rs_strdup_printf("Mismatched operations for '%s': rank 0 sent %s, rank %d sent %s",
+                                p->name, kind, r, rs_kind_name(b->kind));
+    if (a->dtype != b->dtype)
+        return rs_strdup_printf("Mismatched %s dtypes for '%s': rank 0 sent %s, rank %d sent %s",
+                                kind, p->name, rs_dtype_name(a->dtype), r, rs_dtype_name(b->dtype));
+    if (!shapes_agree(a, b)) {
+        char sa[256], sb[256];
+        shape_text(a, sa, sizeof sa);
+        shape_text(b, sb, sizeof sb);
+        return rs_strdup_printf("Mismatched %s tensor shapes for '%s': rank 0 sent %s, rank %d "
+                                "sent %s%s", kind, p->name, sa, r, sb,
+                                a->kind == RS_KIND_ALLGATHER || a->kind == RS_KIND_ALLTOALL
+                                    ? " (only the first dimension may differ)" : "");
+    }
+    if (a->op != b->op)
+        return rs_strdup_printf("Mismatched %s reduction ops for '%s': rank 0 sent %s, rank %d "
+                                "sent %s", kind, p->name, rs_op_name(a->op), r, rs_op_name(b->op));
+    if (a->root != b->root)
+        return rs_strdup_printf("Mismatched %s root ranks for '%s': rank 0 sent %d, rank %d sent %d",
+                                kind, p->name, a->root, r, b->root);
+    if (a->prescale != b->prescale || a->postscale != b->postscale)
+        return rs_strdup_printf("Mismatched %s scale factors for '%s': rank 0 sent prescale %g "
+                                "postscale %g, rank %d sent prescale %g postscale %g", kind,
+                                p->name, a->prescale, a->postscale, r, b->prescale, b->postscale);
+    return NULL;
+}
+
+char *rs_check_agreement(const rs_pending_t *p, int size) {
+    for (int r = 1; r < size; r++) {
+        char *message = mismatch(p, r);
+        if (message)
+            return message;
+    }
+    return NULL;
+}
+
+/* ---- stalls ---- */
+
+void rs_pending_ranks(const rs_pending_t *p, int size, int want, char *out, size_t cap) {
+    size_t at = (size_t)snprintf(out, cap, "[");
+    int first = 1;
+    for (int r = 0; r < size && at < cap; r++)
+        if (p->submitted[r] == want) {
+            at += (size_t)snprintf(out + at, cap - at, first ? "%d" : ", %d", r);
+            first = 0;
+        }
+    if (at < cap)
+        snprintf(out + at, cap - at, "]");
+}
+
+double rs_negotiator_stalls(rs_negotiator_t *n, double now, double after, FILE *out) {
+    double next_due = 0;
+    for (size_t i = 0; i < n->pending.capacity; i++) {
+        rs_pending_t *p = n->pending.keys[i] ? n->pending.values[i] : NULL;
+        if (!p || p->stall_reported)
+            continue;
+        double due = p->first_seen + after;
+        if (now >= due) {
+            char have[512], missing[512];
+            int some = 0;
+            while (!p->submitted[some])
+                some++;
+            rs_pending_ranks(p, n->size, 1, have, sizeof have);
+            rs_pending_ranks(p, n->size, 0, missing, sizeof missing);
+            fprintf(out, "ringsync: stall: tensor '%s' (%s) was submitted by ranks %s but ranks "
+                    "%s have not submitted it after %.1f s\n", p->name,
+                    rs_kind_name(p->metas[some].kind), have, missing,
+                    now - p->first_seen);
+            fflush(out);
+            p->stall_reported = 1;
+        } else if (next_due == 0 || due < next_due) {
+            next_due = due;
+        }
+    }
+    return next_due;
+}

@@ -1,0 +1,91 @@
+/* Timeline: Chrome-trace JSON (opens in Perfetto / chrome://tracing). One track per
+ * tensor (a "thread" named after it) inside one process per rank; complete events
+ * ("ph":"X") for each phase of the tensor's life. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine.h"
+
+void rs_timeline_init(rs_timeline_t *t, int rank) {
+    memset(t, 0, sizeof *t);
+    pthread_mutex_init(&t->mu, NULL);
+    t->rank = rank;
+}
+
+static void write_json_string(FILE *f, const char *s) {
+    fputc('"', f);
+    for (; *s; s++) {
+        unsigned char c = (unsigned char)*s;
+        if (c == '"' || c == '\\')
+            fprintf(f, "\\%c", c);
+        else if (c < 0x20)
+            fprintf(f, "\\u%04x", c);
+        else
+            fputc(c, f);
+    }
+    fputc('"', f);
+}
+
+static void begin_event(rs_timeline_t *t) {
+    fputs(t->events++ ? ",\n" : "\n", t->file);
+}
+
+rs_status_t rs_timeline_start(rs_timeline_t *t, const char *path) {
+    pthread_mutex_lock(&t->mu);
+    rs_status_t st = RS_OK;
+    if (t->file) {
+        st = RS_ERR_USAGE; /* one timeline at a time */
+    } else if (!(t->file = fopen(path, "w"))) {
+        st = RS_ERR_SYSTEM;
+    } else {
+        t->events = 0;
+        fprintf(t->file, "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [");
+        begin_event(t);
+        fprintf(t->file, "{\"name\": \"process_name\", \"ph\": \"M\", \"pid\": %d, "
+                "\"args\": {\"name\": \"rank %d\"}}", t->rank, t->rank);
+    }
+    pthread_mutex_unlock(&t->mu);
+    return st;
+}
+
+void rs_timeline_stop(rs_timeline_t *t) {
+    pthread_mutex_lock(&t->mu);
+    if (t->file) {
+        fprintf(t->file, "\n]}\n");
+        fclose(t->file);
+        t->file = NULL;
+    }
+    rs_map_free(&t->tids);
+    t->next_tid = 0;
+    pthread_mutex_unlock(&t->mu);
+}
+
+static int track_of(rs_timeline_t *t, const char *tensor) {
+    intptr_t tid = (intptr_t)rs_map_get(&t->tids, tensor);
+    if (tid)
+        return (int)tid;
+    tid = ++t->next_tid;
+    if (rs_map_put(&t->tids, tensor, (void *)tid) != 0)
+        return 0;
+    begin_event(t);
+    fprintf(t->file, "{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": %d, \"tid\": %d, "
+            "\"args\": {\"name\": ", t->rank, (int)tid);
+    write_json_string(t->file, tensor);
+    fputs("}}", t->file);
+    return (int)tid;
+}
+
+void rs_timeline_span(rs_timeline_t *t, const char *tensor, const char *phase, double start,
+                      double end) {
+    pthread_mutex_lock(&t->mu);
+    if (t->file) {
+        int tid = track_of(t, tensor);
+        begin_event(t);
+        fprintf(t->file, "{\"name\": \"%s\", \"ph\": \"X\", \"pid\": %d, \"tid\": %d, "
+                "\"ts\": %.3f, \"dur\": %.3f, \"args\": {\"tensor\": ", phase, t->rank, tid,
+                start * 1e6, (end - start) * 1e6);
+        write_json_string(t->file, tensor);
+        fputs("}}", t->file);
+    }
+    pthread_mutex_unlock(&t->mu);
+}
