@@ -19,6 +19,8 @@ DTYPE_CODES = {
     "bool": lib.RS_BOOL,
 }
 REDUCIBLE = [name for name in DTYPE_CODES if name != "bool"]
+# The same, keyed by dtype object: dtype.name builds a new string on every call (slow).
+_CODE_BY_DTYPE = {np.dtype(name): code for name, code in DTYPE_CODES.items() if name != "bfloat16"}
 
 
 def describe(name: Optional[str]) -> str:
@@ -66,15 +68,19 @@ def as_output(x, what: str, name: Optional[str]) -> np.ndarray:
 
 
 def dtype_code(arr: np.ndarray, what: str, name: Optional[str], reduces: bool) -> int:
-    allowed = REDUCIBLE if reduces else list(DTYPE_CODES)
-    if arr.dtype.name not in allowed:
+    code = _CODE_BY_DTYPE.get(arr.dtype)
+    if code is None and arr.dtype.name == "bfloat16":  # ml_dtypes' type, once seen
+        code = _CODE_BY_DTYPE[arr.dtype] = lib.RS_BFLOAT16
+    if code is None or (reduces and code == lib.RS_BOOL):
+        allowed = REDUCIBLE if reduces else list(DTYPE_CODES)
         raise UsageError(f"ringsync.{what}: unsupported dtype {arr.dtype.name}{describe(name)}; "
                          f"supported: {', '.join(allowed)}")
-    return DTYPE_CODES[arr.dtype.name]
+    return code
 
 
 def pointer(arr: np.ndarray):
-    return ffi.cast("void *", arr.ctypes.data)
+    """The array's memory for the core; the returned object keeps the array alive."""
+    return ffi.from_buffer(arr)
 
 
 def wrap_native_result(data, rows: int, row_shape, dtype) -> np.ndarray:

@@ -31,7 +31,13 @@ _STATUS_ERRORS = {
 _WAIT_SLICE_SECONDS = 0.2  # waits return this often so that Ctrl-C gets through
 
 
+_OP_CODES = {op: int(op) for op in ReduceOp}
+
+
 def as_op(op, what: str) -> int:
+    code = _OP_CODES.get(op)  # the common case, without enum construction
+    if code is not None:
+        return code
     try:
         return int(ReduceOp(op))
     except ValueError:
@@ -61,10 +67,18 @@ class Handle:
 
 @dataclasses.dataclass
 class _Request:
-    """One tensor to submit: the native struct plus what must stay alive until it is done."""
+    """One tensor to submit, and what must stay alive until it is done."""
     name: str
-    struct: object
-    keep: tuple
+    kind: int
+    dtype: int
+    src: np.ndarray
+    out: Optional[np.ndarray]
+    op: int = 0
+    prescale: float = 1.0
+    postscale: float = 1.0
+    root: int = 0
+    splits: Optional[np.ndarray] = None
+    urgent: bool = False
 
 
 class Communicator:
@@ -213,35 +227,33 @@ class Communicator:
         n = len(requests)
         names = [ffi.new("char[]", r.name.encode()) for r in requests]
         structs = ffi.new("rs_request_t[]", n)
-        for i, r in enumerate(requests):
-            structs[i] = r.struct[0]
+        keep = [names]
+        for s, r in zip(structs, requests):
+            s.kind, s.dtype, s.op, s.root = r.kind, r.dtype, r.op, r.root
+            s.prescale, s.postscale, s.urgent = r.prescale, r.postscale, r.urgent
+            s.ndim = r.src.ndim
+            s.shape[0:r.src.ndim] = r.src.shape
+            send = pointer(r.src)
+            recv = send if r.out is r.src else (pointer(r.out) if r.out is not None else ffi.NULL)
+            s.sendbuf, s.recvbuf = send, recv
+            if r.splits is not None:
+                s.splits = ffi.cast("int64_t *", pointer(r.splits))
+            keep.append((send, recv, r))
         ids = ffi.new("int64_t[]", n)
         status = lib.rs_engine_submit(self._engine, ffi.new("const char *[]", names), structs, n, ids)
         if status != lib.RS_OK:
             detail = ffi.string(lib.rs_engine_last_error(self._engine)).decode()
             raise _STATUS_ERRORS.get(status, CommunicationError)(
                 f"ringsync.{what} failed on rank {self._rank}: {detail}")
-        return Handle(self, list(ids), tuple(r.keep for r in requests), finish, what,
-                      [r.name for r in requests])
+        return Handle(self, list(ids), keep, finish, what, [r.name for r in requests])
 
     def _request(self, what, kind, name, src, out, *, op=0, prescale=1.0, postscale=1.0,
                  root=0, splits=None, reduces=False, urgent=False) -> _Request:
         if src.ndim > lib.RS_MAX_DIMS:
             raise UsageError(f"ringsync.{what}{describe(name)}: {src.ndim} dimensions; at most "
                              f"{lib.RS_MAX_DIMS} are supported")
-        s = ffi.new("rs_request_t *")
-        s.kind = kind
-        s.dtype = dtype_code(src, what, name, reduces)
-        s.op, s.root = op, root
-        s.prescale, s.postscale = float(prescale), float(postscale)
-        s.ndim = src.ndim
-        for d, extent in enumerate(src.shape):
-            s.shape[d] = extent
-        s.sendbuf = pointer(src)
-        s.recvbuf = pointer(out) if out is not None else ffi.NULL
-        s.splits = ffi.cast("int64_t *", splits.ctypes.data) if splits is not None else ffi.NULL
-        s.urgent = int(urgent)
-        return _Request(name, s, (src, out, splits))
+        return _Request(name, kind, dtype_code(src, what, name, reduces), src, out, op,
+                        float(prescale), float(postscale), root, splits, urgent)
 
     def poll(self, handle: Handle) -> bool:
         """True once every tensor of the handle has completed (then synchronize won't block)."""

@@ -75,10 +75,42 @@ def worker(args):
         mpi_time = _time_calls(lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM),
                                args.seconds, comm)
         rows.append({"size": size, "ringsync": rs_time, "mpi": mpi_time})
+    engine = engine_figures(rs, comm, args.seconds)
     if rs.rank() == 0:
         with open(args.worker, "w") as f:
-            json.dump({"np": rs.size(), "rows": rows}, f)
+            json.dump({"np": rs.size(), "rows": rows, "engine": engine}, f)
     rs.shutdown()
+
+
+FUSED_TENSORS = 200
+FUSED_TENSOR_BYTES = 4 << 10
+
+
+def engine_figures(rs, comm, seconds):
+    """What the engine adds: many small asynchronous tensors against one allreduce of their
+    concatenation, and the latency floor of a lone 4-byte synchronous allreduce."""
+    import numpy as np
+
+    MPI = _mpi()
+    smalls = [np.full(FUSED_TENSOR_BYTES // 4, 1.0, np.float32) for _ in range(FUSED_TENSORS)]
+    names = [f"bench.small.{i}" for i in range(FUSED_TENSORS)]
+
+    def fused():
+        handles = [rs.allreduce_async_(t, op=rs.Sum, name=n) for t, n in zip(smalls, names)]
+        for h in handles:
+            rs.synchronize(h)
+
+    big = np.ones(FUSED_TENSORS * FUSED_TENSOR_BYTES // 4, np.float32)
+    tiny = np.ones(1, np.float32)
+    return {
+        "fused": _time_calls(fused, seconds, comm),
+        "concatenated": _time_calls(lambda: rs.allreduce_(big, op=rs.Sum, name="bench.big"),
+                                    seconds, comm),
+        "latency": _time_calls(lambda: rs.allreduce_(tiny, op=rs.Sum, name="bench.tiny"),
+                               seconds, comm),
+        "mpi_latency": _time_calls(lambda: comm.Allreduce(MPI.IN_PLACE, tiny, op=MPI.SUM),
+                                   seconds, comm),
+    }
 
 
 def run_job(np_: int, args) -> dict:
@@ -108,6 +140,15 @@ def print_table(result: dict) -> None:
               f"{mpi_t * 1e6:10.1f} {size * factor / mpi_t / 1e9:7.2f} | {mpi_t / rs_t:12.2f}")
 
 
+def print_engine(result: dict) -> None:
+    e = result["engine"]
+    print(f"  {FUSED_TENSORS} x {FUSED_TENSOR_BYTES // 1024} KiB async + synchronize: "
+          f"{e['fused'] * 1e6:.1f} us; one allreduce of their concatenation: "
+          f"{e['concatenated'] * 1e6:.1f} us; ratio {e['fused'] / e['concatenated']:.2f}")
+    print(f"  4-byte synchronous allreduce: ringsync {e['latency'] * 1e6:.1f} us, MPI "
+          f"{e['mpi_latency'] * 1e6:.1f} us; ringsync/MPI {e['latency'] / e['mpi_latency']:.2f}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m ringsync.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -122,7 +163,9 @@ def main(argv=None):
         return worker(args)
     print("Bus bandwidth = size * 2(N-1)/N / time; ratio above 1: ringsync is faster.")
     for np_ in args.np:
-        print_table(run_job(np_, args))
+        result = run_job(np_, args)
+        print_table(result)
+        print_engine(result)
     return 0
 
 

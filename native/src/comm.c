@@ -153,6 +153,14 @@ static int build_waits(const rs_xfer_t *xfers, int n, rs_wait_t *waits) {
     return k;
 }
 
+rs_status_t rs_fail_lost_peer(rs_comm_t *comm, int peer) {
+    if (comm->transport->peer_aborted(comm, peer))
+        return rs_fail(comm, RS_ERR_COMM, "rank %d: rank %d (host %s) aborted after a failure "
+                       "elsewhere in the job", comm->rank, peer, rs_peer_host(comm, peer));
+    return rs_fail(comm, RS_ERR_COMM, "rank %d: connection to rank %d (host %s) was lost "
+                   "(peer process gone?)", comm->rank, peer, rs_peer_host(comm, peer));
+}
+
 static rs_status_t fail_no_progress(rs_comm_t *comm, const rs_xfer_t *xfers, int n,
                                     int lost_peer, double waited) {
     int peer = lost_peer;
@@ -160,9 +168,7 @@ static rs_status_t fail_no_progress(rs_comm_t *comm, const rs_xfer_t *xfers, int
         if (xfers[i].done < xfers[i].len)
             peer = xfers[i].peer;
     if (lost_peer >= 0)
-        return rs_fail(comm, RS_ERR_COMM,
-                       "rank %d: connection to rank %d (host %s) was lost; waited %.1f s",
-                       comm->rank, lost_peer, rs_peer_host(comm, lost_peer), waited);
+        return rs_fail_lost_peer(comm, lost_peer);
     return rs_fail(comm, RS_ERR_TIMEOUT,
                    "rank %d: timed out after %.1f s waiting for rank %d (host %s) "
                    "(RINGSYNC_TIMEOUT_SECONDS=%g)",

@@ -317,8 +317,7 @@ static int idle_wait(rs_engine_t *e, double next_deadline) {
     /* A peer gone while nothing of ours waits may just have shut down first; the next
      * round finds out for sure. With our tensors waiting on it, fail them now. */
     if (st == RS_OK && lost >= 0 && has_local_pending(e))
-        st = rs_fail(comm, RS_ERR_COMM, "rank %d: connection to rank %d (host %s) was lost "
-                     "(peer process gone?)", comm->rank, lost, rs_peer_host(comm, lost));
+        st = rs_fail_lost_peer(comm, lost);
     if (st != RS_OK) {
         engine_fail(e, st, comm->last_error);
         return 0;

@@ -42,6 +42,8 @@ typedef struct rs_transport {
                         int *lost_peer);
     void (*abort)(rs_comm_t *comm);
     void (*close)(rs_comm_t *comm);
+    /* Whether the peer announced that it gave up (alive, but aborted after a failure). */
+    int (*peer_aborted)(rs_comm_t *comm, int peer);
 } rs_transport_t;
 
 extern const rs_transport_t rs_tcp_transport;
@@ -66,6 +68,8 @@ rs_status_t rs_fail(rs_comm_t *comm, rs_status_t status, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 const char *rs_peer_host(const rs_comm_t *comm, int peer);
 double rs_now(void);
+/* Fail with a message that tells a lost peer from one that aborted. */
+rs_status_t rs_fail_lost_peer(rs_comm_t *comm, int peer);
 rs_status_t rs_scratch(rs_comm_t *comm, size_t bytes, void **out);
 
 /* A transfer to or from one peer, progressed together with others by rs_progress. */

@@ -400,4 +400,5 @@ const rs_transport_t rs_tcp_transport = {
     .poll = tcp_poll,
     .abort = tcp_abort,
     .close = tcp_close,
+    .peer_aborted = sent_abort_notice,
 };

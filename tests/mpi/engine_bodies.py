@@ -1,0 +1,293 @@
+"""Engine test bodies (run on every rank under mpirun): asynchronous handles, negotiation
+of out-of-order submissions, fusion, the response cache, mismatches, stalls, timeouts,
+restart and the timeline."""
+import json
+import os
+import random
+import time
+
+import numpy as np
+
+import ringsync as rs
+
+from .reference import REDUCIBLE, assert_reduced, rank_input
+
+
+def _tensor_specs(count, seed=7):
+    """The same list of (name, shape, dtype) on every rank: mixed sizes and dtypes."""
+    rng = random.Random(seed)
+    specs = []
+    for i in range(count):
+        n = rng.choice([0, 1, 3, 17, 256, 1000, 4099, 70_000])
+        specs.append((f"t{i:02d}", (n,) if i % 3 else (n, 2), rng.choice(REDUCIBLE)))
+    return specs
+
+
+def _inputs(spec, salt=""):
+    name, shape, dtype = spec
+    return [rank_input(r, shape, dtype, "Sum", salt + name) for r in range(rs.size())]
+
+
+def out_of_order_submission():
+    """50 tensors submitted asynchronously in a different order on every rank give the
+    same results as one synchronous call each, in order."""
+    rs.init()
+    specs = _tensor_specs(50)
+    for step in range(3):  # later steps negotiate through the cache
+        order = list(range(len(specs)))
+        random.Random(rs.rank() * 100 + step).shuffle(order)
+        handles = {}
+        for i in order:
+            handles[i] = rs.allreduce_async(_inputs(specs[i], str(step))[rs.rank()], op=rs.Sum,
+                                            name=specs[i][0])
+        for i in random.Random(rs.rank() + 17).sample(order, len(order)):
+            got = rs.synchronize(handles[i])
+            assert_reduced(got, _inputs(specs[i], str(step)), "Sum",
+                           what=f"step {step} async {specs[i]}")
+    for spec in specs:  # the same tensors, one synchronous call each, in order
+        got = rs.allreduce(_inputs(spec, "sync")[rs.rank()], op=rs.Sum, name=spec[0])
+        assert_reduced(got, _inputs(spec, "sync"), "Sum", what=f"sync {spec}")
+    rs.shutdown()
+
+
+def fusion_settings_agree():
+    """Fusion on, off, and with a threshold smaller than some tensors: same results."""
+    threshold = os.environ.get("RINGSYNC_FUSION_THRESHOLD", "default")
+    rs.init()
+    specs = [(f"f{i}", (n,), "float32") for i, n in enumerate([1, 5000, 100, 300_000, 7, 2])]
+    for op in ["Sum", "Average", "Max"]:
+        handles = [rs.allreduce_async(rank_input(rs.rank(), s[1], s[2], op, s[0]), op=getattr(rs, op),
+                                      name=f"{s[0]}.{op}") for s in specs]
+        for s, h in zip(specs, handles):
+            inputs = [rank_input(r, s[1], s[2], op, s[0]) for r in range(rs.size())]
+            assert_reduced(rs.synchronize(h), inputs, op,
+                           what=f"{s} {op} fusion threshold {threshold}")
+    # Different scale factors and dtypes in one burst must not be fused together.
+    a = rs.allreduce_async(np.full(10, rs.rank() + 1.0), op=rs.Sum, prescale_factor=2.0, name="sa")
+    b = rs.allreduce_async(np.full(10, rs.rank() + 1.0), op=rs.Sum, name="sb")
+    c = rs.allreduce_async(np.full(10, rs.rank() + 1, dtype=np.int32), op=rs.Sum, name="sc")
+    total = rs.size() * (rs.size() + 1) / 2
+    assert np.allclose(rs.synchronize(a), 2 * total)
+    assert np.allclose(rs.synchronize(b), total)
+    assert np.array_equal(rs.synchronize(c), np.full(10, int(total), dtype=np.int32))
+    rs.shutdown()
+
+
+def grouped_and_async_collectives():
+    rs.init()
+    me, size = rs.rank(), rs.size()
+    group = [rank_input(me, (n,), "float64", "Sum", f"g{n}") for n in (3, 0, 1000)]
+    handle = rs.grouped_allreduce_async(group, op=rs.Sum, name="grp")
+    assert isinstance(rs.poll(handle), bool)
+    results = rs.synchronize(handle)
+    assert rs.poll(handle)
+    for n, got in zip((3, 0, 1000), results):
+        assert_reduced(got, [rank_input(r, (n,), "float64", "Sum", f"g{n}") for r in range(size)],
+                       "Sum", what=f"grouped n={n}")
+    inplace = [x.copy() for x in group]
+    rs.grouped_allreduce_(inplace, op=rs.Max)
+    for n, got in zip((3, 0, 1000), inplace):
+        assert_reduced(got, [rank_input(r, (n,), "float64", "Sum", f"g{n}") for r in range(size)],
+                       "Max", what=f"grouped in place n={n}")
+    # Every async kind, outstanding together.
+    g = rs.allgather_async(np.full((me + 1, 2), me, dtype=np.int32))
+    b = rs.broadcast_async(np.arange(4) + me, root_rank=size - 1)
+    rsc = rs.reducescatter_async(np.ones((size * 2, 3)) * me, op=rs.Sum)
+    a2a = rs.alltoall_async(np.arange(size * 2, dtype=np.int64) + 100 * me)
+    x = np.full(6, float(me))
+    ar = rs.allreduce_async_(x, op=rs.Sum)
+    expected_rows = np.concatenate([np.full((r + 1, 2), r, dtype=np.int32) for r in range(size)])
+    assert np.array_equal(rs.synchronize(g), expected_rows)
+    assert np.array_equal(rs.synchronize(b), np.arange(4) + size - 1)
+    assert np.array_equal(rs.synchronize(rsc), np.full((2, 3), sum(range(size)), dtype=float))
+    assert np.array_equal(rs.synchronize(a2a),
+                          np.concatenate([np.arange(2 * me, 2 * me + 2) + 100 * r for r in range(size)]))
+    assert rs.synchronize(ar) is x and np.all(x == sum(range(size)))
+    rs.shutdown()
+
+
+def _expect_everywhere(fragment, fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except rs.UsageError as e:
+        assert fragment in str(e), f"rank {rs.rank()}: expected {fragment!r} in: {e}"
+    else:
+        raise AssertionError(f"rank {rs.rank()}: no error for {fragment!r}")
+    # The next collective still works.
+    got = rs.allreduce(np.arange(3.0) + rs.rank(), op=rs.Sum, name="after." + fragment[:20])
+    assert np.array_equal(got, np.arange(3.0) * rs.size() + sum(range(rs.size())))
+
+
+def mismatches_fail_on_every_rank():
+    """Each kind of disagreement fails that tensor on every rank with both values named;
+    the engine keeps working. The last rank is the odd one out."""
+    rs.init()
+    me, last = rs.rank(), rs.size() - 1
+    odd = me == last
+    _expect_everywhere(
+        f"Mismatched allreduce tensor shapes for 'grad.fc1.weight': rank 0 sent [17, 4], "
+        f"rank {last} sent [18, 4]",
+        rs.allreduce, np.zeros((18 if odd else 17, 4)), name="grad.fc1.weight")
+    _expect_everywhere(
+        f"Mismatched allreduce dtypes for 'w.dtype': rank 0 sent float32, rank {last} sent float64",
+        rs.allreduce, np.zeros(3, np.float64 if odd else np.float32), name="w.dtype")
+    _expect_everywhere(
+        f"Mismatched allreduce reduction ops for 'w.op': rank 0 sent Sum, rank {last} sent Max",
+        rs.allreduce, np.zeros(3), op=rs.Max if odd else rs.Sum, name="w.op")
+    _expect_everywhere(
+        f"Mismatched broadcast root ranks for 'w.root': rank 0 sent 0, rank {last} sent {last}",
+        rs.broadcast, np.zeros(3), root_rank=last if odd else 0, name="w.root")
+    _expect_everywhere(
+        f"Mismatched allreduce scale factors for 'w.scale': rank 0 sent prescale 1 postscale 1, "
+        f"rank {last} sent prescale 2 postscale 1",
+        rs.allreduce, np.zeros(3), prescale_factor=2.0 if odd else 1.0, name="w.scale")
+    _expect_everywhere(
+        f"Mismatched operations for 'w.kind': rank 0 sent allreduce, rank {last} sent broadcast",
+        (lambda: rs.broadcast(np.zeros(3), 0, name="w.kind")) if odd else
+        (lambda: rs.allreduce(np.zeros(3), name="w.kind")))
+    _expect_everywhere(
+        f"Mismatched alltoall tensor shapes for 'w.a2a': rank 0 sent [{rs.size()}, 2], rank "
+        f"{last} sent [{rs.size()}, 3]",
+        rs.alltoall, np.zeros((rs.size(), 3 if odd else 2)), name="w.a2a")
+    # A cached tensor whose shape changes on one rank: caught too, then it works again.
+    for _ in range(2):
+        rs.allreduce(np.ones(5), name="cached")
+    _expect_everywhere(
+        f"Mismatched allreduce tensor shapes for 'cached': rank 0 sent [5], rank {last} sent [6]",
+        rs.allreduce, np.ones(6 if odd else 5), name="cached")
+    assert np.array_equal(rs.allreduce(np.ones(6), op=rs.Sum, name="cached"), np.full(6, rs.size()))
+    assert np.array_equal(rs.allreduce(np.ones(6), op=rs.Sum, name="cached"), np.full(6, rs.size()))
+    # Local mistakes fail on the calling rank at submission, before any negotiation.
+    h = rs.allreduce_async(np.ones(2), name="twice")
+    try:
+        rs.allreduce_async(np.ones(2), name="twice")
+    except rs.UsageError as e:
+        assert "'twice' is already in flight" in str(e), str(e)
+    else:
+        raise AssertionError("a second 'twice' in flight was accepted")
+    rs.synchronize(h)
+    rs.shutdown()
+
+
+def stalled_tensor_is_reported():
+    """Rank 1 submits 'late.tensor' 3 s after the others (stall check 1 s): rank 0 prints
+    one report naming it and rank 1; the tensor then completes."""
+    rs.init()
+    if rs.rank() == 1:
+        time.sleep(3)
+    got = rs.allreduce(np.ones(4), op=rs.Sum, name="late.tensor")
+    assert np.array_equal(got, np.full(4, rs.size()))
+    rs.shutdown()
+
+
+def never_submitted_times_out_everywhere():
+    """Rank 1 never submits 'orphan': the ranks that did fail it (the first to time out
+    names the missing rank; the others may learn of it first through that rank's abort),
+    and rank 1's next collective fails instead of hanging."""
+    rs.init()
+    if rs.rank() != 1:
+        try:
+            rs.allreduce(np.ones(4), name="orphan")
+        except rs.CommunicationError as e:
+            timed_out = isinstance(e, rs.CommunicationTimeout) and "ranks [1] to submit" in str(e)
+            assert "'orphan'" in str(e) and (timed_out or "aborted" in str(e)), str(e)
+        else:
+            raise AssertionError("'orphan' completed without rank 1")
+    else:
+        time.sleep(4)  # past the others' timeout (1.5 s)
+        try:
+            rs.allreduce(np.ones(4), name="after")
+        except rs.CommunicationError as e:
+            assert "aborted" in str(e) or "lost" in str(e) or "closed" in str(e), str(e)
+        else:
+            raise AssertionError("rank 1's collective succeeded after its peers gave up")
+    # Every later call fails at once with the communication error.
+    try:
+        rs.allreduce(np.ones(1), name="later")
+    except rs.CommunicationError:
+        pass
+    else:
+        raise AssertionError("a broken engine accepted new work")
+    rs.shutdown()
+
+
+def killed_peer_fails_pending_handles(marker=""):
+    """Rank `victim` dies while every rank has asynchronous allreduces outstanding: each
+    survivor's pending handles, and any later one, fail promptly naming the lost rank."""
+    import signal
+    victim = int(os.environ.get("RINGSYNC_TEST_VICTIM", "1"))
+    folder = os.environ["RINGSYNC_TEST_DIR"]
+    rs.init()
+    for step in range(5):
+        rs.allreduce(np.ones(1000), name=f"warm{step}")
+    if rs.rank() == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    failures = 0
+    handles = []
+    for i in range(20):  # submitting fails too once the engine has noticed
+        try:
+            handles.append(rs.allreduce_async(np.ones(50_000), name=f"pending{i}"))
+        except rs.CommunicationError as e:
+            assert f"rank {victim} (host" in str(e), str(e)
+            failures += 1
+    for h in handles:
+        try:
+            rs.synchronize(h)
+        except rs.CommunicationError as e:
+            assert f"rank {victim} (host" in str(e), str(e)
+            failures += 1
+    assert failures > 0, "every pending handle succeeded without the victim"
+    try:
+        rs.allreduce(np.ones(3), name="later")
+    except rs.CommunicationError:
+        pass
+    else:
+        raise AssertionError("a later handle succeeded after the peer died")
+    with open(os.path.join(folder, f"survivor-{rs.rank()}"), "w") as f:
+        f.write("ok")
+    rs.shutdown()
+    os._exit(0)  # skip MPI_Finalize, which would wait for the dead rank
+
+
+def restart_with_a_new_rank_set():
+    """Shut the engine down and start it again in the same process, over the world and
+    then over half of it (what elastic recovery does after a rank is lost)."""
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    for attempt in range(2):
+        rs.init()
+        got = rs.allreduce(np.full(3, world.rank + attempt), op=rs.Sum, name="again")
+        assert np.array_equal(got, np.full(3, sum(range(world.size)) + attempt * world.size))
+        rs.shutdown()
+    survivors = world.Split(color=0 if world.rank < max(1, world.size - 1) else 1, key=world.rank)
+    rs.init(survivors)
+    got = rs.allreduce(np.array([world.rank], dtype=np.int64), op=rs.Sum, name="again")
+    members = [r for r in range(world.size)
+               if (0 if r < max(1, world.size - 1) else 1) == (0 if world.rank < max(1, world.size - 1) else 1)]
+    assert got[0] == sum(members) and rs.size() == len(members), (got, members)
+    rs.shutdown()
+    survivors.Free()
+
+
+def timeline_records_each_tensor():
+    path = os.path.join(os.environ["RINGSYNC_TEST_DIR"], "timeline-%d.json")
+    rs.init()
+    rs.start_timeline(path % rs.rank())
+    names = [f"tl.{i}" for i in range(5)]
+    handles = [rs.allreduce_async(np.ones(100 * (i + 1), np.float32), name=n)
+               for i, n in enumerate(names)]
+    for h in handles:
+        rs.synchronize(h)
+    rs.broadcast(np.ones(10), 0, name="tl.bcast")
+    rs.stop_timeline()
+    with open(path % rs.rank()) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"]
+    tracks = {e["tid"]: e["args"]["name"] for e in events
+              if e.get("ph") == "M" and e["name"] == "thread_name"}
+    assert sorted(tracks.values()) == sorted(names + ["tl.bcast"]), tracks
+    for tid, tensor in tracks.items():
+        phases = [e["name"] for e in events if e.get("ph") == "X" and e["tid"] == tid]
+        assert phases[0] == "NEGOTIATE" and "RING" in phases, (tensor, phases)
+        assert all(e["dur"] >= 0 for e in events if e.get("ph") == "X")
+    rs.shutdown()

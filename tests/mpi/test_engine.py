@@ -1,0 +1,81 @@
+"""The engine under several ranks: negotiation, fusion, errors, stalls, timeouts, faults,
+restart and the timeline."""
+import json
+import os
+import subprocess
+
+import pytest
+
+from ringsync.testing import assert_mpi_ok, run_mpi
+
+pytestmark = pytest.mark.requires_mpirun
+
+BODY = "tests.mpi.engine_bodies:"
+
+
+@pytest.mark.parametrize("np", [1, 2, 3, 4])
+@pytest.mark.parametrize("body", ["out_of_order_submission", "grouped_and_async_collectives",
+                                  "restart_with_a_new_rank_set"])
+def test_engine(body, np):
+    assert_mpi_ok(BODY + body, np=np, timeout=180, env={"RINGSYNC_TIMEOUT_SECONDS": "60"})
+
+
+@pytest.mark.parametrize("np", [2, 3])
+def test_every_mismatch_fails_on_every_rank(np):
+    assert_mpi_ok(BODY + "mismatches_fail_on_every_rank", np=np, timeout=120,
+                  env={"RINGSYNC_TIMEOUT_SECONDS": "60"})
+
+
+@pytest.mark.parametrize("threshold", ["0", "4096", "67108864"])
+def test_fusion_threshold_does_not_change_results(threshold):
+    assert_mpi_ok(BODY + "fusion_settings_agree", np=3, timeout=120,
+                  env={"RINGSYNC_FUSION_THRESHOLD": threshold, "RINGSYNC_TIMEOUT_SECONDS": "60"})
+
+
+def test_stall_is_reported_once_naming_the_missing_rank():
+    result = assert_mpi_ok(BODY + "stalled_tensor_is_reported", np=3, timeout=60,
+                           env={"RINGSYNC_STALL_CHECK_SECONDS": "1"})
+    reports = [line for line in result.output.splitlines() if "ringsync: stall:" in line]
+    assert len(reports) == 1, result.report()
+    assert "'late.tensor'" in reports[0] and "ranks [0, 2]" in reports[0], reports
+    assert "ranks [1] have not submitted it" in reports[0], reports
+
+
+def test_a_tensor_one_rank_never_submits_times_out():
+    assert_mpi_ok(BODY + "never_submitted_times_out_everywhere", np=3, timeout=60,
+                  env={"RINGSYNC_TIMEOUT_SECONDS": "1.5"})
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_killed_rank_fails_pending_handles(victim, tmp_path):
+    marker = f"ringsync-engine-kill-{os.getpid()}-{victim}"
+    result = run_mpi(BODY + "killed_peer_fails_pending_handles", np=3, timeout=90,
+                     args=(marker,), mpirun_args=("--with-ft", "ulfm"),
+                     env={"RINGSYNC_TEST_DIR": str(tmp_path), "RINGSYNC_TEST_VICTIM": str(victim),
+                          # Far beyond the deadline: only failure detection can pass.
+                          "RINGSYNC_TIMEOUT_SECONDS": "600"})
+    assert not result.timed_out, result.report()
+    survivors = sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("survivor-*"))
+    assert survivors == [r for r in range(3) if r != victim], result.report()
+    leftover = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
+    assert not leftover.strip(), f"processes left running: {leftover}"
+
+
+@pytest.mark.parametrize("np", [1, 3])
+def test_timeline_is_chrome_trace_json(np, tmp_path):
+    assert_mpi_ok(BODY + "timeline_records_each_tensor", np=np, timeout=60,
+                  env={"RINGSYNC_TEST_DIR": str(tmp_path)})
+    for rank in range(np):
+        with open(tmp_path / f"timeline-{rank}.json") as f:
+            assert json.load(f)["traceEvents"]
+
+
+def test_timeline_from_the_environment(tmp_path):
+    path = tmp_path / "env-timeline.json"
+    code = ("import ringsync as rs, numpy as np; rs.init(); "
+            "[rs.allreduce(np.ones(8), name='env.t') for _ in range(3)]; rs.shutdown()")
+    script = tmp_path / "tl.py"
+    script.write_text(code)
+    assert_mpi_ok(str(script), np=1, timeout=60, env={"RINGSYNC_TIMELINE": str(path)})
+    events = json.loads(path.read_text())["traceEvents"]
+    assert [e["name"] for e in events if e.get("ph") == "X"].count("RING") == 3
