@@ -34,6 +34,7 @@ struct rs_engine {
     int nslots;
     rs_map_t in_flight; /* names of this rank's unfinished requests */
     int stopping;
+    int sleeping; /* the thread blocks on the self-pipe: a submission must write to it */
     rs_status_t failure; /* once set, every pending and later request fails with it */
     char failure_text[RS_ERROR_LEN];
     char last_error[RS_ERROR_LEN];
@@ -207,23 +208,26 @@ static void gather_more(rs_engine_t *e, rs_work_t ***batch, int *n, int *cap) {
     double deadline = rs_now() + e->config.cycle_time_ms * 1e-3;
     for (;;) {
         pthread_mutex_lock(&e->mu);
+        int before = *n;
+        take_queue_locked(e, batch, n, cap);
         int urgent = any_urgent(*batch, *n) || e->stopping;
-        pthread_mutex_unlock(&e->mu);
         double left = deadline - rs_now();
+        e->sleeping = !urgent && left > 0 && *n == before;
+        pthread_mutex_unlock(&e->mu);
         if (urgent || left <= 0)
             return;
+        if (*n > before)
+            continue; /* more arrived while we ran: look again before sleeping */
         double wait = left < FUSION_IDLE_GAP_SECONDS ? left : FUSION_IDLE_GAP_SECONDS;
         struct timespec ts = {0, (long)(wait * 1e9)};
         struct pollfd p = {.fd = e->wake[0], .events = POLLIN};
-        if (ppoll(&p, 1, &ts, NULL) <= 0)
+        int woken = ppoll(&p, 1, &ts, NULL) > 0;
+        pthread_mutex_lock(&e->mu);
+        e->sleeping = 0;
+        pthread_mutex_unlock(&e->mu);
+        if (!woken)
             return; /* the burst paused */
         drain_wake_pipe(e);
-        pthread_mutex_lock(&e->mu);
-        int before = *n;
-        take_queue_locked(e, batch, n, cap);
-        pthread_mutex_unlock(&e->mu);
-        if (*n == before)
-            return;
     }
 }
 
@@ -312,7 +316,16 @@ static int idle_wait(rs_engine_t *e, double next_deadline) {
     double left = next_deadline > 0 ? next_deadline - rs_now() : 1.0;
     int timeout_ms = left <= 0 ? 0 : left > 1.0 ? 1000 : (int)(left * 1000) + 1;
     int lost = -1;
+    pthread_mutex_lock(&e->mu);
+    int busy = e->queue_head || e->stopping; /* checked under the lock: no lost wakeup */
+    e->sleeping = !busy;
+    pthread_mutex_unlock(&e->mu);
+    if (busy)
+        return 0;
     rs_status_t st = comm->transport->poll(comm, waits, nwaits, timeout_ms, &lost);
+    pthread_mutex_lock(&e->mu);
+    e->sleeping = 0;
+    pthread_mutex_unlock(&e->mu);
     drain_wake_pipe(e);
     /* A peer gone while nothing of ours waits may just have shut down first; the next
      * round finds out for sure. With our tensors waiting on it, fail them now. */
@@ -564,8 +577,9 @@ rs_status_t rs_engine_submit(rs_engine_t *e, const char **names, const rs_reques
             free_work(w);
         }
     }
+    int wake = st == RS_OK && e->sleeping;
     pthread_mutex_unlock(&e->mu);
-    if (st == RS_OK)
+    if (wake)
         wake_thread(e);
     return st;
 }
@@ -589,7 +603,8 @@ rs_status_t rs_engine_wait(rs_engine_t *e, int64_t handle, double timeout_second
     rs_status_t st = RS_ERR_USAGE;
     if (w && !w->done && !w->urgent) {
         w->urgent = 1; /* someone waits: stop gathering more into its fusion */
-        wake_thread(e);
+        if (e->sleeping)
+            wake_thread(e);
     }
     while (w && !w->done && pthread_cond_timedwait(&e->done_cv, &e->mu, &until) != ETIMEDOUT) {
     }
