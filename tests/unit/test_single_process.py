@@ -104,3 +104,16 @@ def test_even_split():
     assert even_split(7, 3) == [3, 2, 2]
     assert even_split(2, 4) == [1, 1, 0, 0]
     assert sum(even_split(1009, 4)) == 1009
+
+
+def test_engine_settings_parse():
+    cfg = Config.from_env({"RINGSYNC_FUSION_THRESHOLD": "0", "RINGSYNC_CYCLE_TIME_MS": "2.5",
+                           "RINGSYNC_STALL_CHECK_SECONDS": "0", "RINGSYNC_CACHE_CAPACITY": "16",
+                           "RINGSYNC_TIMELINE": "/tmp/t.json"})
+    assert (cfg.fusion_threshold, cfg.cycle_time_ms, cfg.stall_check_seconds,
+            cfg.cache_capacity, cfg.timeline) == (0, 2.5, 0.0, 16, "/tmp/t.json")
+    assert Config.from_env({}).fusion_threshold == 64 << 20
+    with pytest.raises(rs.UsageError, match="RINGSYNC_FUSION_THRESHOLD='1.5' is not a whole number"):
+        Config.from_env({"RINGSYNC_FUSION_THRESHOLD": "1.5"})
+    with pytest.raises(rs.UsageError, match="RINGSYNC_CYCLE_TIME_MS"):
+        Config.from_env({"RINGSYNC_CYCLE_TIME_MS": "-1"})
