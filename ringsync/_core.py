@@ -64,6 +64,12 @@ class Handle:
     def __repr__(self):
         return f"<ringsync.Handle {self._what} {self.names}{' done' if self._done else ''}>"
 
+    def then(self, fn: Callable) -> "Handle":
+        """Have synchronize() return fn(result) instead (adapters convert results this way)."""
+        finish = self._finish
+        self._finish = lambda: fn(finish())
+        return self
+
 
 @dataclasses.dataclass
 class _Request:

@@ -1,0 +1,228 @@
+"""Collectives on torch tensors (Horovod's horovod.torch.mpi_ops names), synchronous,
+asynchronous and in place; allreduce, allgather and broadcast are differentiable."""
+from typing import List, Optional
+
+import numpy as np
+import torch
+
+import ringsync as _rs
+from ringsync import Average, Handle, Max, Min, Product, ReduceOp, Sum
+from ringsync.errors import UsageError
+
+from ._tensors import from_numpy, host_view, result_like, shares_memory
+
+
+def _comm():
+    return _rs._comm()
+
+
+# ---- in place ----
+
+def _in_place(submit, tensor: torch.Tensor, what: str) -> Handle:
+    """Run `submit` on a host array of tensor; the handle's result is tensor, updated."""
+    arr, host = host_view(tensor, what)
+    handle = submit(arr)
+    if shares_memory(host, tensor):
+        return handle.then(lambda _: tensor)
+
+    def copy_back(_):
+        with torch.no_grad():
+            tensor.copy_(host)
+        return tensor
+
+    return handle.then(copy_back)
+
+
+def allreduce_async_(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None):
+    return _in_place(lambda a: _comm().allreduce_async_(a, op, prescale_factor, postscale_factor,
+                                                        name), tensor, "allreduce_async_")
+
+
+def allreduce_(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None):
+    return synchronize(allreduce_async_(tensor, op, prescale_factor, postscale_factor, name))
+
+
+def broadcast_async_(tensor, root_rank, name=None):
+    return _in_place(lambda a: _comm().broadcast_async_(a, root_rank, name), tensor,
+                     "broadcast_async_")
+
+
+def broadcast_(tensor, root_rank, name=None):
+    return synchronize(broadcast_async_(tensor, root_rank, name))
+
+
+def grouped_allreduce_async_(tensors, op=Average, prescale_factor=1.0, postscale_factor=1.0,
+                             name=None):
+    views = [host_view(t, "grouped_allreduce_async_") for t in tensors]
+    handle = _comm().grouped_allreduce_async_([a for a, _ in views], op, prescale_factor,
+                                              postscale_factor, name)
+
+    def copy_back(_):
+        with torch.no_grad():
+            for t, (_, host) in zip(tensors, views):
+                if not shares_memory(host, t):
+                    t.copy_(host)
+        return list(tensors)
+
+    return handle.then(copy_back)
+
+
+def grouped_allreduce_(tensors, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None):
+    return synchronize(grouped_allreduce_async_(tensors, op, prescale_factor, postscale_factor,
+                                                name))
+
+
+# ---- out of place, asynchronous ----
+
+def _out_of_place(submit, tensor, what):
+    arr, _ = host_view(tensor, what)
+    return submit(arr).then(lambda result: result_like(result, tensor))
+
+
+def allreduce_async(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None):
+    return _out_of_place(lambda a: _comm().allreduce_async(a, op, prescale_factor,
+                                                           postscale_factor, name),
+                         tensor, "allreduce_async")
+
+
+def grouped_allreduce_async(tensors, op=Average, prescale_factor=1.0, postscale_factor=1.0,
+                            name=None):
+    arrays = [host_view(t, "grouped_allreduce_async")[0] for t in tensors]
+    handle = _comm().grouped_allreduce_async(arrays, op, prescale_factor, postscale_factor, name)
+    return handle.then(lambda results: [result_like(r, t) for r, t in zip(results, tensors)])
+
+
+def allgather_async(tensor, name=None):
+    return _out_of_place(lambda a: _comm().allgather_async(a, name), tensor, "allgather_async")
+
+
+def broadcast_async(tensor, root_rank, name=None):
+    return _out_of_place(lambda a: _comm().broadcast_async(a, root_rank, name), tensor,
+                         "broadcast_async")
+
+
+def reducescatter_async(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None):
+    return _out_of_place(lambda a: _comm().reducescatter_async(a, op, prescale_factor,
+                                                               postscale_factor, name),
+                         tensor, "reducescatter_async")
+
+
+def alltoall_async(tensor, splits=None, name=None):
+    if isinstance(splits, torch.Tensor):
+        splits = splits.detach().cpu().numpy()
+    arr, _ = host_view(tensor, "alltoall_async")
+    handle = _comm().alltoall_async(arr, splits, name)
+    if splits is None:
+        return handle.then(lambda out: result_like(out, tensor))
+    return handle.then(lambda res: (result_like(res[0], tensor), torch.from_numpy(res[1])))
+
+
+def poll(handle: Handle) -> bool:
+    return _rs.poll(handle)
+
+
+def synchronize(handle: Handle):
+    return _rs.synchronize(handle)
+
+
+# ---- differentiable collectives ----
+
+def _check_differentiable(op, what):
+    if ReduceOp(op) not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        raise UsageError(f"ringsync.torch.{what}: the gradient of a {ReduceOp(op).name.title()} "
+                         "reduction is not defined; use Sum or Average when gradients flow")
+
+
+def _grad_name(name: Optional[str]) -> Optional[str]:
+    return None if name is None else f"{name}.grad"
+
+
+class _Allreduce(torch.autograd.Function):
+    """d/dx_r of prescale*postscale*reduce(x) is the same reduction of the incoming grads."""
+
+    @staticmethod
+    def forward(ctx, tensor, op, prescale, postscale, name):
+        ctx.args = (op, prescale, postscale, name)
+        return synchronize(allreduce_async(tensor, op, prescale, postscale, name))
+
+    @staticmethod
+    def backward(ctx, grad):
+        op, prescale, postscale, name = ctx.args
+        _check_differentiable(op, "allreduce")
+        return (synchronize(allreduce_async(grad, op, prescale, postscale, _grad_name(name))),
+                None, None, None, None)
+
+
+class _Allgather(torch.autograd.Function):
+    """The gradient of a concatenation: every rank's gradient summed, then this rank's rows."""
+
+    @staticmethod
+    def forward(ctx, tensor, name):
+        rows = _comm().allgather(np.array([tensor.shape[0] if tensor.dim() else 1]),
+                                 None if name is None else f"{name}.rows")
+        ctx.start = int(rows[: _rs.rank()].sum())
+        ctx.rows = int(rows[_rs.rank()])
+        ctx.name = name
+        return synchronize(allgather_async(tensor, name))
+
+    @staticmethod
+    def backward(ctx, grad):
+        summed = synchronize(allreduce_async(grad, Sum, name=_grad_name(ctx.name)))
+        return summed[ctx.start: ctx.start + ctx.rows], None
+
+
+class _Broadcast(torch.autograd.Function):
+    """Only the root's input reaches the outputs: it gets the sum of their gradients."""
+
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name):
+        ctx.root, ctx.name = root_rank, name
+        return synchronize(broadcast_async(tensor, root_rank, name))
+
+    @staticmethod
+    def backward(ctx, grad):
+        summed = synchronize(allreduce_async(grad, Sum, name=_grad_name(ctx.name)))
+        return (summed if _rs.rank() == ctx.root else torch.zeros_like(summed)), None, None
+
+
+def allreduce(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None):
+    """A new tensor: tensor reduced over all ranks. Differentiable for Sum and Average."""
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return _Allreduce.apply(tensor, op, prescale_factor, postscale_factor, name)
+    return synchronize(allreduce_async(tensor, op, prescale_factor, postscale_factor, name))
+
+
+def grouped_allreduce(tensors, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None):
+    return synchronize(grouped_allreduce_async(tensors, op, prescale_factor, postscale_factor,
+                                               name))
+
+
+def allgather(tensor, name=None):
+    """Every rank's tensor concatenated along the first dimension. Differentiable."""
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return _Allgather.apply(tensor, name)
+    return synchronize(allgather_async(tensor, name))
+
+
+def broadcast(tensor, root_rank, name=None):
+    """A new tensor with root_rank's values. Differentiable."""
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return _Broadcast.apply(tensor, root_rank, name)
+    return synchronize(broadcast_async(tensor, root_rank, name))
+
+
+def reducescatter(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None):
+    return synchronize(reducescatter_async(tensor, op, prescale_factor, postscale_factor, name))
+
+
+def alltoall(tensor, splits=None, name=None):
+    return synchronize(alltoall_async(tensor, splits, name))
+
+
+__all__ = [
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
+    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "allgather",
+    "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+    "reducescatter", "reducescatter_async", "alltoall", "alltoall_async", "poll", "synchronize",
+    "Average", "Sum", "Min", "Max", "Product",
+]

@@ -1,0 +1,178 @@
+"""DistributedOptimizer: averages gradients over all ranks while backward() still runs.
+
+It wraps the user's optimizer by composition. Each parameter gets a public
+post-accumulate-grad hook: as soon as its gradient is complete (after
+backward_passes_per_step passes), an asynchronous allreduce starts, so communication
+overlaps the rest of the backward pass. step() waits for the reductions, then steps the
+wrapped optimizer. The class derives from torch.optim.Optimizer only so that LR schedulers
+and isinstance checks accept it; all state lives in the wrapped optimizer.
+"""
+import contextlib
+import itertools
+import warnings
+
+import torch
+
+from ringsync import Average, ReduceOp
+from ringsync.errors import UsageError
+
+from . import mpi_ops
+from .compression import Compression
+
+_instances = itertools.count()  # names of unnamed optimizers, in construction order
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    def __init__(self, optimizer, named_parameters=None, compression=Compression.none,
+                 backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0):
+        # Deliberately no super().__init__(): param_groups and state are the wrapped
+        # optimizer's own (see the properties below), so there is one copy of each.
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise UsageError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
+                             f"{type(optimizer).__name__}")
+        if backward_passes_per_step < 1:
+            raise UsageError(f"backward_passes_per_step must be at least 1, got "
+                             f"{backward_passes_per_step}")
+        if gradient_predivide_factor != 1.0 and ReduceOp(op) != ReduceOp.AVERAGE:
+            raise UsageError("gradient_predivide_factor only applies to op=Average")
+        self._optimizer = optimizer
+        self._compression = compression
+        self._passes_per_step = backward_passes_per_step
+        self._op = op
+        self._predivide = gradient_predivide_factor
+        self._names = self._parameter_names(named_parameters, next(_instances))
+        self._pending = {}  # parameter -> (handle, compression context)
+        self._passes = {p: 0 for p in self._names}
+        self._synchronized = False
+        self._should_synchronize = True
+        self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_ready)
+                       for p in self._names if p.requires_grad]
+
+    # ---- the wrapped optimizer's state, shared rather than copied ----
+
+    @property
+    def param_groups(self):
+        return self._optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self._optimizer.param_groups = value
+
+    @property
+    def state(self):
+        return self._optimizer.state
+
+    @property
+    def defaults(self):
+        return self._optimizer.defaults
+
+    def state_dict(self):
+        return self._optimizer.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self._optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group):
+        self._optimizer.add_param_group(param_group)
+        base = len(self._names)
+        for i, p in enumerate(self._optimizer.param_groups[-1]["params"]):
+            if p not in self._names:
+                self._names[p] = f"{self._prefix}.{base + i}"
+                self._passes[p] = 0
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._gradient_ready))
+
+    def __repr__(self):
+        return f"DistributedOptimizer({self._optimizer!r})"
+
+    # ---- names ----
+
+    def _parameter_names(self, named_parameters, instance):
+        params = [p for group in self._optimizer.param_groups for p in group["params"]]
+        self._prefix = f"grad.opt{instance}"
+        if named_parameters is None:
+            return {p: f"{self._prefix}.{i}" for i, p in enumerate(params)}
+        named = list(named_parameters)
+        names = [n for n, _ in named]
+        if len(set(names)) != len(names):
+            dupes = sorted({n for n in names if names.count(n) > 1})
+            raise UsageError(f"named_parameters has duplicate names: {dupes}")
+        by_param = {p: f"grad.{n}" for n, p in named}
+        unnamed = [i for i, p in enumerate(params) if p not in by_param]
+        if unnamed:
+            raise UsageError(f"named_parameters does not name every parameter of the optimizer "
+                             f"(parameters at positions {unnamed[:10]} are missing)")
+        return {p: by_param[p] for p in params}
+
+    # ---- reductions ----
+
+    def _gradient_ready(self, p):
+        """Hook: p.grad has been accumulated by one backward pass."""
+        if p in self._pending:
+            raise UsageError(
+                f"the gradient of '{self._names[p]}' was computed more than "
+                f"backward_passes_per_step={self._passes_per_step} times before step(); call "
+                "step() (or synchronize()) first, or raise backward_passes_per_step")
+        self._passes[p] += 1
+        if self._passes[p] == self._passes_per_step:
+            self._start_reduction(p)
+
+    def _start_reduction(self, p):
+        if p.grad is None:  # a parameter that took no part in this step on this rank
+            p.grad = torch.zeros_like(p)
+        wire, ctx = self._compression.compress(p.grad)
+        if ReduceOp(self._op) == ReduceOp.AVERAGE:
+            scale = dict(prescale_factor=1.0 / self._predivide, postscale_factor=self._predivide)
+        else:
+            scale = {}
+        handle = mpi_ops.allreduce_async_(wire, op=self._op, name=self._names[p], **scale)
+        self._pending[p] = (handle, wire, ctx)
+        self._passes[p] = 0
+
+    def synchronize(self):
+        """Wait until every parameter's gradient holds its reduction over all ranks.
+        Parameters whose gradient did not arrive this step (on this rank) are reduced too,
+        as zeros, so that every rank reduces the same tensors."""
+        for p in self._names:
+            if p.requires_grad and p not in self._pending:
+                self._start_reduction(p)
+        pending, self._pending = self._pending, {}
+        failure = None
+        for p, (handle, wire, ctx) in pending.items():
+            try:
+                mpi_ops.synchronize(handle)
+            except Exception as e:  # wait for the others, then raise the first failure
+                failure = failure or e
+                continue
+            if wire is not p.grad:
+                with torch.no_grad():
+                    p.grad.copy_(self._compression.decompress(wire, ctx))
+        self._synchronized = True
+        if failure is not None:
+            raise failure
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """For step() after an explicit synchronize() (e.g. to clip averaged gradients)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called after optimizer.synchronize() without "
+                              "optimizer.skip_synchronize(): gradients are reduced again",
+                              stacklevel=2)
+            self.synchronize()
+        self._synchronized = False
+        return self._optimizer.step(closure) if closure is not None else self._optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        if self._pending:
+            raise UsageError(
+                f"optimizer.zero_grad() was called while {len(self._pending)} gradient "
+                "reductions are pending; call step() or synchronize() first")
+        self._optimizer.zero_grad(set_to_none=set_to_none)
