@@ -191,6 +191,11 @@ def barrier():
     _comm().barrier()
 
 
+def join() -> int:
+    """Declare that this rank has no more data; returns the last rank to join (Horovod)."""
+    return _comm().join()
+
+
 def poll(handle) -> bool:
     """True once the handle's collective has completed."""
     return _comm().poll(handle)
@@ -216,7 +221,7 @@ __all__ = [
     "allreduce_async_", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
     "grouped_allreduce_async_", "allgather", "allgather_async", "broadcast", "broadcast_",
     "broadcast_async", "broadcast_async_", "reducescatter", "reducescatter_async", "alltoall",
-    "alltoall_async", "barrier", "poll", "synchronize", "start_timeline", "stop_timeline",
+    "alltoall_async", "barrier", "join", "poll", "synchronize", "start_timeline", "stop_timeline",
     "Handle", "Sum", "Average", "Min", "Max",
     "Product", "ReduceOp", "Communicator", "Config", "RingsyncError", "UsageError",
     "NotInitializedError", "CommunicationError", "CommunicationTimeout", "HorovodInternalError",

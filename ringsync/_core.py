@@ -479,6 +479,20 @@ class Communicator:
                                 np.empty(0, np.uint8), None, urgent=True)
         self.synchronize(self._submit([request], lambda: None, "barrier"))
 
+    def join(self) -> int:
+        """This rank has no more data. Until every rank has joined, it takes part in the
+        other ranks' allreduces with zeros (Average still divides by size()); other
+        collectives fail while a rank has joined. Returns the last rank to join."""
+        request = self._request("join", lib.RS_KIND_JOIN, "ringsync.join",
+                                np.empty(0, np.uint8), None, urgent=True)
+        handle = None
+
+        def last_rank():
+            return self._take_result(handle._ids[0])[1]
+
+        handle = self._submit([request], last_rank, "join")
+        return self.synchronize(handle)
+
     def start_timeline(self, path: str):
         """Write a Chrome-trace timeline (open it in Perfetto) of every tensor's phases."""
         if lib.rs_engine_start_timeline(self._engine, str(path).encode()) != lib.RS_OK:

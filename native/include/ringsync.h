@@ -109,7 +109,10 @@ typedef enum {
     RS_KIND_BROADCAST = 2,
     RS_KIND_REDUCESCATTER = 3,
     RS_KIND_ALLTOALL = 4,
-    RS_KIND_BARRIER = 5
+    RS_KIND_BARRIER = 5,
+    /* This rank has no more data: until every rank has joined, it takes part in the other
+     * ranks' allreduces with zeros. The handle's result (rows) is the last rank to join. */
+    RS_KIND_JOIN = 6
 } rs_kind_t;
 
 /* One tensor. Buffers stay the caller's and must live until the handle completes.

@@ -55,8 +55,8 @@ const char *rs_dtype_name(int dtype) {
 
 const char *rs_kind_name(int kind) {
     static const char *names[] = {"allreduce", "allgather", "broadcast", "reducescatter",
-                                  "alltoall", "barrier"};
-    return kind >= 0 && kind <= RS_KIND_BARRIER ? names[kind] : "unknown";
+                                  "alltoall", "barrier", "join"};
+    return kind >= 0 && kind <= RS_KIND_JOIN ? names[kind] : "unknown";
 }
 
 const char *rs_op_name(int op) {
@@ -143,6 +143,7 @@ static void engine_fail(rs_engine_t *e, rs_status_t st, const char *text) {
             rs_pending_free(p);
     }
     rs_map_free(&n->pending);
+    n->join = NULL;
     for (rs_work_t *w = e->queue_head; w; w = w->next)
         fail_locked(e, w);
     e->queue_head = e->queue_tail = NULL;
@@ -231,10 +232,41 @@ static void gather_more(rs_engine_t *e, rs_work_t ***batch, int *n, int *cap) {
     }
 }
 
+/* This rank has joined and did not submit p: take part with zeros (allreduce only; the
+ * other kinds fail on every rank, see rs_check_agreement). */
+static rs_work_t *stand_in_work(const rs_pending_t *p, int rank) {
+    const rs_meta_t *m = &p->metas[rank];
+    size_t bytes = rs_dtype_size(m->dtype);
+    for (int d = 0; d < m->ndim; d++)
+        bytes *= (size_t)m->shape[d];
+    rs_work_t *w = calloc(1, sizeof *w);
+    void *zeros = calloc(1, bytes ? bytes : 1);
+    char *name = strdup(p->name);
+    if (!w || !zeros || !name) {
+        free(w);
+        free(zeros);
+        free(name);
+        return NULL;
+    }
+    w->name = name;
+    w->meta = *m;
+    w->sendbuf = w->recvbuf = w->result = zeros; /* freed with the work */
+    w->synthetic = 1;
+    return w;
+}
+
 static void complete_ready(rs_engine_t *e, rs_pending_t **ready, int nready, rs_status_t st) {
     pthread_mutex_lock(&e->mu);
     for (int i = 0; i < nready; i++) {
         rs_work_t *w = ready[i]->mine;
+        if (!w)
+            continue; /* a round that failed before it got here: engine_fail ends all */
+        if (w->synthetic) {
+            free_work(w);
+            continue;
+        }
+        if (w->meta.kind == RS_KIND_JOIN)
+            w->result_rows = ready[i]->last_rank;
         if (w->status == (rs_status_t)-1) { /* not run: a failure stopped the round */
             w->status = st;
             w->error = strdup(e->comm->last_error);
@@ -254,14 +286,20 @@ static rs_status_t run_round(rs_engine_t *e, rs_work_t **batch, int nbatch) {
         return st;
     double now = rs_now();
     for (int i = 0; i < nready; i++) {
-        ready[i]->mine->status = (rs_status_t)-1;
-        if (e->timeline.file)
-            rs_timeline_span(&e->timeline, ready[i]->name, "NEGOTIATE",
-                             ready[i]->mine->submitted_at, now);
+        rs_work_t *w = ready[i]->mine ? ready[i]->mine : stand_in_work(ready[i], e->comm->rank);
+        if (!w) {
+            st = rs_fail(e->comm, RS_ERR_COMM, "rank %d: out of memory", e->comm->rank);
+            break;
+        }
+        ready[i]->mine = w;
+        w->status = (rs_status_t)-1;
+        if (e->timeline.file && !w->synthetic)
+            rs_timeline_span(&e->timeline, ready[i]->name, "NEGOTIATE", w->submitted_at, now);
     }
-    st = rs_execute(&e->executor, ready, nready);
+    if (st == RS_OK)
+        st = rs_execute(&e->executor, ready, nready);
     for (int i = 0; i < nready; i++)
-        if (ready[i]->mine->status == RS_OK)
+        if (ready[i]->mine && ready[i]->mine->status == RS_OK)
             rs_negotiator_cache(&e->negotiator, ready[i]);
     complete_ready(e, ready, nready, st);
     for (int i = 0; i < nready; i++)
@@ -279,7 +317,9 @@ static double check_deadlines(rs_engine_t *e) {
     rs_pending_t *oldest = NULL;
     for (size_t i = 0; i < n->pending.capacity; i++) {
         rs_pending_t *p = n->pending.keys[i] ? n->pending.values[i] : NULL;
-        if (p && p->mine && (!oldest || p->mine->submitted_at < oldest->mine->submitted_at))
+        /* A joined rank may wait for the others' whole epoch: join has no deadline. */
+        if (p && p->mine && p->mine->meta.kind != RS_KIND_JOIN &&
+            (!oldest || p->mine->submitted_at < oldest->mine->submitted_at))
             oldest = p;
     }
     if (!oldest)
@@ -452,10 +492,11 @@ static rs_status_t validate(rs_engine_t *e, const char *name, const rs_request_t
     if (rs_map_get(&e->in_flight, name))
         return usage(e, "tensor '%s' is already in flight on rank %d; synchronize it before "
                      "submitting the name again", name, e->comm->rank);
-    if (r->kind < 0 || r->kind > RS_KIND_BARRIER)
+    if (r->kind < 0 || r->kind > RS_KIND_JOIN)
         return usage(e, "tensor '%s': unknown collective kind %d", name, r->kind);
     int reduces = r->kind == RS_KIND_ALLREDUCE || r->kind == RS_KIND_REDUCESCATTER;
-    if (r->kind != RS_KIND_BARRIER && !(reduces ? rs_dtype_valid(r->dtype) : rs_dtype_movable(r->dtype)))
+    int has_data = r->kind != RS_KIND_BARRIER && r->kind != RS_KIND_JOIN;
+    if (has_data && !(reduces ? rs_dtype_valid(r->dtype) : rs_dtype_movable(r->dtype)))
         return usage(e, "tensor '%s': dtype %s is not supported by %s", name,
                      rs_dtype_name(r->dtype), rs_kind_name(r->kind));
     if (reduces && !rs_op_valid(r->op))
@@ -501,7 +542,7 @@ static rs_work_t *new_work(rs_engine_t *e, const char *name, const rs_request_t 
     }
     int reduces = r->kind == RS_KIND_ALLREDUCE || r->kind == RS_KIND_REDUCESCATTER;
     w->meta.kind = r->kind;
-    w->meta.dtype = r->kind == RS_KIND_BARRIER ? 0 : r->dtype;
+    w->meta.dtype = r->kind == RS_KIND_BARRIER || r->kind == RS_KIND_JOIN ? 0 : r->dtype;
     w->meta.op = reduces ? r->op : 0; /* unused fields stay equal on every rank */
     w->meta.root = r->kind == RS_KIND_BROADCAST ? r->root : 0;
     w->meta.prescale = reduces ? r->prescale : 1.0;

@@ -38,6 +38,7 @@ typedef struct rs_work {
     void *result; /* allgather / alltoall output, until taken */
     int64_t result_rows;
     int64_t *result_splits;
+    int synthetic; /* made by the engine for a joined rank: zeros in, result discarded */
     struct rs_work *next; /* submission queue */
 } rs_work_t;
 
@@ -65,6 +66,7 @@ typedef struct {
     int64_t order;            /* first appearance: the order every rank runs ready tensors */
     double first_seen;
     int stall_reported;
+    int last_rank;            /* the rank whose submission was recorded last */
     rs_work_t *mine;          /* this rank's request, once submitted */
 } rs_pending_t;
 
@@ -80,6 +82,7 @@ typedef struct {
     rs_meta_t *cache_metas;
     unsigned char *cache_valid;
     rs_map_t cache_ids;       /* name -> (id + 1) */
+    rs_pending_t *join;       /* the join in progress: ranks that submitted it have joined */
 } rs_negotiator_t;
 
 rs_status_t rs_negotiator_init(rs_negotiator_t *n, int rank, int size, int capacity);

@@ -122,6 +122,7 @@ rs_status_t rs_negotiator_init(rs_negotiator_t *n, int rank, int size, int capac
 }
 
 void rs_pending_free(rs_pending_t *p) {
+    /* (a join still in progress is referenced by the negotiator; it is freed with the table) */
     if (!p)
         return;
     free(p->name);
@@ -145,7 +146,7 @@ void rs_negotiator_free(rs_negotiator_t *n) {
 
 static int cacheable(int kind) {
     /* Gathers carry a per-rank first dimension, so their metadata differ by rank. */
-    return kind != RS_KIND_ALLGATHER && kind != RS_KIND_ALLTOALL;
+    return kind != RS_KIND_ALLGATHER && kind != RS_KIND_ALLTOALL && kind != RS_KIND_JOIN;
 }
 
 static int cache_id(const rs_negotiator_t *n, const char *name) {
@@ -155,7 +156,8 @@ static int cache_id(const rs_negotiator_t *n, const char *name) {
 
 void rs_negotiator_cache(rs_negotiator_t *n, const rs_pending_t *p) {
     int kind = p->metas[0].kind;
-    if (!cacheable(kind) || n->used >= n->capacity || cache_id(n, p->name) >= 0)
+    if (!cacheable(kind) || p->count < n->size || n->used >= n->capacity ||
+        cache_id(n, p->name) >= 0)
         return;
     char *name = strdup(p->name);
     if (!name || rs_map_put(&n->cache_ids, name, (void *)(intptr_t)(n->used + 1)) != 0) {
@@ -189,6 +191,41 @@ static int list_add(pending_list_t *l, rs_pending_t *p) {
     return 0;
 }
 
+static int has_joined(const rs_negotiator_t *n, int r) {
+    return n->join && n->join->submitted[r];
+}
+
+/* A rank joined: tensors that only waited for it may now be ready, so look at all. */
+static rs_status_t join_recorded(rs_negotiator_t *n, rs_pending_t *join, pending_list_t *touched) {
+    n->join = join;
+    for (size_t i = 0; i < n->pending.capacity; i++)
+        if (n->pending.keys[i] && list_add(touched, n->pending.values[i]) != 0)
+            return RS_ERR_NOMEM;
+    return RS_OK;
+}
+
+/* Every rank has submitted p, or has joined (and will take part with zeros). */
+static int ready_everywhere(const rs_negotiator_t *n, rs_pending_t *p) {
+    if (p->count == n->size)
+        return 1;
+    if (p == n->join || !n->join)
+        return 0;
+    for (int r = 0; r < n->size; r++)
+        if (!p->submitted[r] && !has_joined(n, r))
+            return 0;
+    return 1;
+}
+
+/* Joined ranks did not submit: give them the metadata of a rank that did. */
+static void fill_joined_metas(const rs_negotiator_t *n, rs_pending_t *p) {
+    int some = 0;
+    while (!p->submitted[some])
+        some++;
+    for (int r = 0; r < n->size; r++)
+        if (!p->submitted[r])
+            p->metas[r] = p->metas[some];
+}
+
 static rs_pending_t *pending_for(rs_negotiator_t *n, const char *name, double now) {
     rs_pending_t *p = rs_map_get(&n->pending, name);
     if (p)
@@ -219,8 +256,11 @@ static rs_status_t record(rs_negotiator_t *n, int r, const char *name, const rs_
         p->count++;
     }
     p->metas[r] = *meta;
+    p->last_rank = r;
     if (r == n->rank)
         p->mine = rs_map_get(mine, name);
+    if (meta->kind == RS_KIND_JOIN)
+        return join_recorded(n, p, touched);
     return RS_OK;
 }
 
@@ -308,8 +348,12 @@ static rs_status_t collect_ready(rs_negotiator_t *n, pending_list_t *touched,
     int k = 0;
     for (int i = 0; i < touched->count; i++) {
         rs_pending_t *p = touched->items[i];
-        if (p->count == n->size && rs_map_get(&n->pending, p->name) == p) {
+        if (ready_everywhere(n, p) && rs_map_get(&n->pending, p->name) == p) {
             rs_map_remove(&n->pending, p->name);
+            if (p->count < n->size)
+                fill_joined_metas(n, p);
+            if (p == n->join)
+                n->join = NULL; /* every rank has joined: the join ends */
             out[k++] = p;
         }
     }
@@ -452,6 +496,12 @@ static char *mismatch(const rs_pending_t *p, int r) {
 }
 
 char *rs_check_agreement(const rs_pending_t *p, int size) {
+    if (p->count < size && p->metas[0].kind != RS_KIND_ALLREDUCE) {
+        char joined[512];
+        rs_pending_ranks(p, size, 0, joined, sizeof joined);
+        return rs_strdup_printf("%s '%s' cannot run while ranks %s have joined: only allreduce "
+                                "works with join", rs_kind_name(p->metas[0].kind), p->name, joined);
+    }
     for (int r = 1; r < size; r++) {
         char *message = mismatch(p, r);
         if (message)
@@ -478,8 +528,8 @@ double rs_negotiator_stalls(rs_negotiator_t *n, double now, double after, FILE *
     double next_due = 0;
     for (size_t i = 0; i < n->pending.capacity; i++) {
         rs_pending_t *p = n->pending.keys[i] ? n->pending.values[i] : NULL;
-        if (!p || p->stall_reported)
-            continue;
+        if (!p || p->stall_reported || p == n->join)
+            continue; /* ranks that joined wait for the others by design */
         double due = p->first_seen + after;
         if (now >= due) {
             char have[512], missing[512];

@@ -13,6 +13,7 @@ device-to-host copy on top of the reduction.
 from ringsync import (Average, Max, Min, Product, ReduceOp, Sum, barrier, cross_rank,
                       cross_size, init, is_initialized, local_rank, local_size, rank, shutdown,
                       size, start_timeline, stop_timeline)
+from ringsync import join as _join
 from ringsync.errors import (CommunicationError, HorovodInternalError, RingsyncError,
                              UsageError)
 
@@ -26,3 +27,10 @@ from .mpi_ops import (allgather, allgather_async, allreduce, allreduce_, allredu
                       reducescatter_async, synchronize)
 from .optimizer import DistributedOptimizer
 from .sync_batch_norm import SyncBatchNorm
+
+
+def join(device=-1) -> int:
+    """This rank has run out of data: it takes part in the other ranks' allreduces with
+    zeros until every rank has joined; returns the last rank to join. (`device` is
+    accepted for Horovod compatibility; tensors are staged through host memory.)"""
+    return _join()

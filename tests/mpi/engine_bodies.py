@@ -291,3 +291,28 @@ def timeline_records_each_tensor():
         assert phases[0] == "NEGOTIATE" and "RING" in phases, (tensor, phases)
         assert all(e["dur"] >= 0 for e in events if e.get("ph") == "X")
     rs.shutdown()
+
+
+def join_with_uneven_steps():
+    """Rank r has 2 + r steps of data: ranks that ran out join, and their zeros stand in
+    for them in the others' allreduces. Other collectives fail while a rank has joined."""
+    rs.init()
+    me, size = rs.rank(), rs.size()
+    for step in range(2 + me):
+        got = rs.allreduce(np.full(4, me + 1.0), op=rs.Sum, name=f"join.step{step}")
+        active = [r for r in range(size) if step < 2 + r]
+        assert np.all(got == sum(r + 1 for r in active)), (step, got, active)
+        avg = rs.allreduce(np.full(2, me + 1.0), op=rs.Average, name=f"join.avg{step}")
+        assert np.allclose(avg, sum(r + 1 for r in active) / size), (step, avg)
+    if me == size - 1 and size > 1:
+        try:  # every other rank has joined by the time this is negotiated
+            rs.broadcast(np.zeros(3), root_rank=me, name="join.bcast")
+        except rs.UsageError as e:
+            assert "only allreduce works with join" in str(e), str(e)
+        else:
+            raise AssertionError("a broadcast ran while ranks had joined")
+    assert rs.join() == size - 1
+    # After the join, every rank is back and everything works.
+    assert np.array_equal(rs.allgather(np.array([me])), np.arange(size))
+    assert rs.join() in range(size)  # a second join round works too
+    rs.shutdown()

@@ -15,7 +15,7 @@ BODY = "tests.mpi.engine_bodies:"
 
 @pytest.mark.parametrize("np", [1, 2, 3, 4])
 @pytest.mark.parametrize("body", ["out_of_order_submission", "grouped_and_async_collectives",
-                                  "restart_with_a_new_rank_set"])
+                                  "restart_with_a_new_rank_set", "join_with_uneven_steps"])
 def test_engine(body, np):
     assert_mpi_ok(BODY + body, np=np, timeout=180, env={"RINGSYNC_TIMEOUT_SECONDS": "60"})
 

@@ -19,7 +19,8 @@ ENV = {"RINGSYNC_TIMEOUT_SECONDS": "60", "OMP_NUM_THREADS": "1"}
 @pytest.mark.parametrize("body", ["collectives_on_tensors", "gradients_through_collectives",
                                   "broadcast_makes_ranks_identical",
                                   "sync_batch_norm_matches_full_batch",
-                                  "optimizer_misuse_and_state"])
+                                  "optimizer_misuse_and_state",
+                                  "join_lets_ranks_with_less_data_stop_early"])
 def test_torch(body, np):
     assert_mpi_ok(BODY + body, np=np, timeout=180, env=ENV)
 

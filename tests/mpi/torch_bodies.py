@@ -272,3 +272,26 @@ def optimizer_misuse_and_state():
     if hvd.size() > 1:
         assert not torch.equal(before, b.weight.detach())  # rank 0's gradient, averaged
     hvd.shutdown()
+
+
+def join_lets_ranks_with_less_data_stop_early():
+    """Rank r has 1 + r batches. Ranks that run out call hvd.join(); the others' steps
+    still complete (the joined ranks' gradients count as zeros) and stay in agreement."""
+    hvd.init()
+    me, size = hvd.rank(), hvd.size()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1, bias=False)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                   named_parameters=model.named_parameters())
+    for step in range(1 + me):
+        before = model.weight.detach().clone()
+        opt.zero_grad()
+        model(torch.ones(1, 3)).sum().backward()  # gradient: ones on every rank
+        opt.step()
+        active = sum(1 for r in range(size) if step < 1 + r)
+        assert torch.allclose(before - model.weight.detach(), torch.full((1, 3), active / size))
+    assert hvd.join() == size - 1
+    final = hvd.broadcast(model.weight.detach(), size - 1, name="join.final")
+    if me == size - 1:
+        assert torch.equal(final, model.weight.detach())
+    hvd.shutdown()
