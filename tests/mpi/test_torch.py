@@ -47,3 +47,8 @@ def test_pytorch_digits_example_reaches_95_percent():
     if not os.path.exists(example):
         pytest.skip("examples/pytorch_digits.py not present")
     assert_mpi_ok(os.path.abspath(example), np=2, timeout=300, env=ENV, args=("--check",))
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors():
+    assert_mpi_ok(BODY + "cuda_tensors_are_staged_through_host", np=2, timeout=180, env=ENV)

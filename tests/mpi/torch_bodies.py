@@ -295,3 +295,22 @@ def join_lets_ranks_with_less_data_stop_early():
     if me == size - 1:
         assert torch.equal(final, model.weight.detach())
     hvd.shutdown()
+
+
+def cuda_tensors_are_staged_through_host():
+    hvd.init()
+    me, size = hvd.rank(), hvd.size()
+    device = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
+    x = torch.full((1000,), float(me + 1), device=device)
+    got = hvd.allreduce(x, op=hvd.Sum)
+    assert got.device == device and torch.all(got == sum(range(1, size + 1)))
+    hvd.allreduce_(x, op=hvd.Average)
+    assert x.device == device and torch.allclose(x, torch.full_like(x, (size + 1) / 2))
+    y = hvd.broadcast(torch.arange(4.0, device=device) + me, root_rank=0)
+    assert y.device == device and torch.equal(y.cpu(), torch.arange(4.0))
+    g = hvd.allgather(torch.ones(2, 2, device=device) * me)
+    assert g.device == device and g.shape == (2 * size, 2)
+    w = torch.ones(3, device=device, requires_grad=True)
+    hvd.allreduce(w, op=hvd.Sum).sum().backward()
+    assert w.grad.device == device and torch.all(w.grad == size)
+    hvd.shutdown()
