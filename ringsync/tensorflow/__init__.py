@@ -1,0 +1,280 @@
+"""ringsync for TensorFlow 2: collectives on tf.Tensor / tf.Variable, in eager mode and
+inside tf.function, with gradients; DistributedGradientTape; broadcast_variables.
+
+Eager tensors reach the core through numpy views of their buffers (no copy in); results
+come back as new tensors (one copy out). Inside tf.function each collective is a
+tf.py_function, which TensorFlow runs in the calling process; XLA cannot compile it (see
+the README). Work in progress: the Keras optimizer wrapper and callbacks
+(ringsync.tensorflow.keras) are not written yet.
+"""
+import itertools
+
+import numpy as np
+import tensorflow as tf
+
+import ringsync as _rs
+from ringsync import (Average, Max, Min, Product, ReduceOp, Sum, barrier, cross_rank,
+                      cross_size, init, is_initialized, join, local_rank, local_size, rank,
+                      shutdown, size, start_timeline, stop_timeline)
+from ringsync.errors import (CommunicationError, HorovodInternalError, RingsyncError,
+                             UsageError)
+
+_trace_names = itertools.count()  # names fixed when a graph is traced (see _name)
+
+
+def _name(name, what):
+    """Inside a graph, ops may run concurrently in any order, so call-order names would
+    differ between ranks; name them when traced instead (tracing order is the same)."""
+    if name is not None or tf.executing_eagerly():
+        return name
+    return f"tf.{what}.{next(_trace_names)}"
+
+
+def _host(t) -> np.ndarray:
+    return t.numpy() if hasattr(t, "numpy") else np.asarray(t)
+
+
+def _run(fn, tensors, out_dtypes, what):
+    """Run fn(*numpy arrays) -> array(s) now (eager) or as a py_function (graph)."""
+    if tf.executing_eagerly():
+        out = fn(*[_host(t) for t in tensors])
+        return [tf.convert_to_tensor(o) for o in out] if isinstance(out, list) else \
+            tf.convert_to_tensor(out)
+
+    def call(*args):
+        return fn(*[_host(a) for a in args])
+
+    return tf.py_function(call, list(tensors), out_dtypes, name=f"ringsync_{what}")
+
+
+def _check_differentiable(op, what):
+    if ReduceOp(op) not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        raise UsageError(f"ringsync.tensorflow.{what}: the gradient of a "
+                         f"{ReduceOp(op).name.title()} reduction is not defined")
+
+
+def _grad_name(name):
+    return None if name is None else f"{name}.grad"
+
+
+def allreduce(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None):
+    """tensor reduced over all ranks. Differentiable for Sum and Average."""
+    x = tf.convert_to_tensor(tensor)
+    name = _name(name, "allreduce")
+
+    def reduce(t, n):
+        y = _run(lambda a: _rs.allreduce(a, op, prescale_factor, postscale_factor, n), [t],
+                 t.dtype, "allreduce")
+        y.set_shape(t.shape)
+        return y
+
+    @tf.custom_gradient
+    def fn(t):
+        def grad(dy):
+            _check_differentiable(op, "allreduce")
+            return reduce(tf.convert_to_tensor(dy), _grad_name(name))
+        return reduce(t, name), grad
+
+    return fn(x)
+
+
+def grouped_allreduce(tensors, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None):
+    """A list of tensors reduced as one unit (one py_function inside a graph)."""
+    xs = [tf.convert_to_tensor(t) for t in tensors]
+    if not xs:
+        return []
+    name = _name(name, "grouped_allreduce")
+    out = _run(lambda *arrays: list(_rs.grouped_allreduce(list(arrays), op, prescale_factor,
+                                                          postscale_factor, name)),
+               xs, [x.dtype for x in xs], "grouped_allreduce")
+    for y, x in zip(out, xs):
+        y.set_shape(x.shape)
+    return list(out)
+
+
+def allgather(tensor, name=None):
+    """Every rank's tensor concatenated along the first dimension. Differentiable."""
+    x = tf.convert_to_tensor(tensor)
+    name = _name(name, "allgather")
+
+    def gather(t, n):
+        y = _run(lambda a: _rs.allgather(a, n), [t], t.dtype, "allgather")
+        y.set_shape([None] + t.shape[1:].as_list() if t.shape.rank else [None])
+        return y
+
+    @tf.custom_gradient
+    def fn(t):
+        rows = tf.shape(t)[0] if t.shape.rank else tf.constant(1)
+        counts = gather(tf.reshape(tf.cast(rows, tf.int64), [1]), None if name is None
+                        else f"{name}.rows")
+
+        def grad(dy):
+            summed = allreduce(tf.convert_to_tensor(dy), Sum, name=_grad_name(name))
+            start = tf.reduce_sum(counts[:rank()])
+            return tf.reshape(summed[start:start + tf.cast(rows, tf.int64)], tf.shape(t))
+
+        return gather(t, name), grad
+
+    return fn(x)
+
+
+def broadcast(tensor, root_rank, name=None):
+    """root_rank's tensor on every rank. Differentiable (the root gets the summed gradient)."""
+    x = tf.convert_to_tensor(tensor)
+    name = _name(name, "broadcast")
+
+    @tf.custom_gradient
+    def fn(t):
+        y = _run(lambda a: _rs.broadcast(a, root_rank, name), [t], t.dtype, "broadcast")
+        y.set_shape(t.shape)
+
+        def grad(dy):
+            summed = allreduce(tf.convert_to_tensor(dy), Sum, name=_grad_name(name))
+            return summed if rank() == root_rank else tf.zeros_like(summed)
+
+        return y, grad
+
+    return fn(x)
+
+
+def reducescatter(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None):
+    x = tf.convert_to_tensor(tensor)
+    name = _name(name, "reducescatter")
+    y = _run(lambda a: _rs.reducescatter(a, op, prescale_factor, postscale_factor, name), [x],
+             x.dtype, "reducescatter")
+    y.set_shape([None] + x.shape[1:].as_list())
+    return y
+
+
+def alltoall(tensor, splits=None, name=None):
+    """Rows splits[i] go to rank i; returns the received rows (and, with splits, how many
+    came from each rank)."""
+    x = tf.convert_to_tensor(tensor)
+    name = _name(name, "alltoall")
+    if splits is None:
+        y = _run(lambda a: _rs.alltoall(a, None, name), [x], x.dtype, "alltoall")
+        y.set_shape([None] + x.shape[1:].as_list())
+        return y
+    s = tf.convert_to_tensor(splits, dtype=tf.int64)
+    y, received = _run(lambda a, sp: list(_rs.alltoall(a, sp, name)), [x, s],
+                       [x.dtype, tf.int64], "alltoall")
+    y.set_shape([None] + x.shape[1:].as_list())
+    received.set_shape([None])
+    return y, received
+
+
+def broadcast_variables(variables, root_rank=0):
+    """Assign root_rank's values to every variable, on every rank."""
+    for i, v in enumerate(variables):
+        v.assign(broadcast(v, root_rank, name=f"broadcast.var.{i}.{v.name}"))
+
+
+def broadcast_object(obj, root_rank=0, name=None):
+    """root_rank's obj (picklable) on every rank."""
+    import pickle
+    name = name or "broadcast_object"
+    payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if rank() == root_rank else None
+    size_ = _rs.broadcast(np.array([payload.size if payload is not None else 0], np.int64),
+                          root_rank, name=f"{name}.size")
+    buf = payload if payload is not None else np.empty(int(size_[0]), np.uint8)
+    return pickle.loads(_rs.broadcast(buf, root_rank, name=f"{name}.data").tobytes())
+
+
+def allgather_object(obj, name=None):
+    """Every rank's obj (picklable), in rank order."""
+    import pickle
+    name = name or "allgather_object"
+    payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+    sizes = _rs.allgather(np.array([payload.size], np.int64), name=f"{name}.sizes")
+    data = _rs.allgather(payload, name=f"{name}.data").tobytes()
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    return [pickle.loads(data[starts[i]:starts[i + 1]]) for i in range(len(sizes))]
+
+
+class Compression:
+    """Gradient compression on the wire: none, fp16 (floating gradients travel as float16)."""
+
+    class none:
+        @staticmethod
+        def compress(t):
+            return t, None
+
+        @staticmethod
+        def decompress(t, ctx):
+            return t
+
+    class fp16:
+        @staticmethod
+        def compress(t):
+            if t.dtype.is_floating and t.dtype != tf.float16:
+                return tf.cast(t, tf.float16), t.dtype
+            return t, None
+
+        @staticmethod
+        def decompress(t, ctx):
+            return t if ctx is None else tf.cast(t, ctx)
+
+
+def _reduce_gradients(grads, compression, op, predivide, sparse_as_dense, name):
+    """Dense gradients reduced as one group; IndexedSlices gathered (or densified)."""
+    scale = dict(prescale_factor=1.0 / predivide, postscale_factor=predivide) \
+        if ReduceOp(op) == ReduceOp.AVERAGE else {}
+    dense, slots, out = [], [], list(grads)
+    for i, g in enumerate(grads):
+        if g is None:
+            continue
+        if isinstance(g, tf.IndexedSlices) and not sparse_as_dense:
+            out[i] = _reduce_sparse(g, op, f"{name}.{i}")
+            continue
+        g = tf.convert_to_tensor(g)
+        wire, ctx = compression.compress(g)
+        dense.append((wire, ctx))
+        slots.append(i)
+    reduced = grouped_allreduce([w for w, _ in dense], op=op, name=name, **scale)
+    for i, (r, (_, ctx)) in zip(slots, zip(reduced, dense)):
+        out[i] = compression.decompress(r, ctx)
+    return out
+
+
+def _reduce_sparse(g, op, name):
+    """Sparse gradients: every rank's rows, gathered (duplicates add up when applied)."""
+    values = allgather(g.values, name=f"{name}.values")
+    indices = allgather(g.indices, name=f"{name}.indices")
+    if ReduceOp(op) == ReduceOp.AVERAGE:
+        values = values / tf.cast(size(), values.dtype)
+    return tf.IndexedSlices(values, indices, dense_shape=g.dense_shape)
+
+
+class DistributedGradientTape:
+    """Wraps a tf.GradientTape: gradient() returns gradients averaged over all ranks."""
+
+    _instances = itertools.count()
+
+    def __init__(self, tape, compression=Compression.none, op=Average,
+                 gradient_predivide_factor=1.0, sparse_as_dense=False):
+        if gradient_predivide_factor != 1.0 and ReduceOp(op) != ReduceOp.AVERAGE:
+            raise UsageError("gradient_predivide_factor only applies to op=Average")
+        self._tape = tape
+        self._compression, self._op = compression, op
+        self._predivide, self._sparse_as_dense = gradient_predivide_factor, sparse_as_dense
+        self._name = f"tape{next(self._instances)}.grads"
+
+    def __getattr__(self, attr):  # watch(), stop_recording(), ... are the tape's own
+        return getattr(self._tape, attr)
+
+    def gradient(self, target, sources, output_gradients=None, **kwargs):
+        grads = self._tape.gradient(target, sources, output_gradients, **kwargs)
+        flat = tf.nest.flatten(grads)
+        reduced = _reduce_gradients(flat, self._compression, self._op, self._predivide,
+                                    self._sparse_as_dense, self._name)
+        return tf.nest.pack_sequence_as(grads, reduced)
+
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+    "cross_rank", "cross_size", "barrier", "join", "start_timeline", "stop_timeline",
+    "allreduce", "grouped_allreduce", "allgather", "broadcast", "reducescatter", "alltoall",
+    "broadcast_variables", "broadcast_object", "allgather_object", "DistributedGradientTape",
+    "Compression", "Average", "Sum", "Min", "Max", "Product", "ReduceOp", "RingsyncError",
+    "UsageError", "CommunicationError", "HorovodInternalError",
+]
