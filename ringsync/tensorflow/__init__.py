@@ -104,14 +104,14 @@ def allgather(tensor, name=None):
 
     @tf.custom_gradient
     def fn(t):
-        rows = tf.shape(t)[0] if t.shape.rank else tf.constant(1)
-        counts = gather(tf.reshape(tf.cast(rows, tf.int64), [1]), None if name is None
-                        else f"{name}.rows")
-
         def grad(dy):
+            # Rows per rank are exchanged here, not in the forward pass, so that ranks of
+            # other frameworks (or without gradients) run the same collectives forward.
+            rows = tf.shape(t, out_type=tf.int64)[0] if t.shape.rank else tf.constant(1, tf.int64)
+            counts = gather(tf.reshape(rows, [1]), None if name is None else f"{name}.grad.rows")
             summed = allreduce(tf.convert_to_tensor(dy), Sum, name=_grad_name(name))
             start = tf.reduce_sum(counts[:rank()])
-            return tf.reshape(summed[start:start + tf.cast(rows, tf.int64)], tf.shape(t))
+            return tf.reshape(summed[start:start + rows], tf.shape(t))
 
         return gather(t, name), grad
 

@@ -1,6 +1,6 @@
 """Collectives on torch tensors (Horovod's horovod.torch.mpi_ops names), synchronous,
 asynchronous and in place; allreduce, allgather and broadcast are differentiable."""
-from typing import List, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -9,7 +9,7 @@ import ringsync as _rs
 from ringsync import Average, Handle, Max, Min, Product, ReduceOp, Sum
 from ringsync.errors import UsageError
 
-from ._tensors import from_numpy, host_view, result_like, shares_memory
+from ._tensors import host_view, result_like, shares_memory
 
 
 def _comm():
@@ -158,17 +158,19 @@ class _Allgather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tensor, name):
-        rows = _comm().allgather(np.array([tensor.shape[0] if tensor.dim() else 1]),
-                                 None if name is None else f"{name}.rows")
-        ctx.start = int(rows[: _rs.rank()].sum())
-        ctx.rows = int(rows[_rs.rank()])
-        ctx.name = name
+        ctx.rows = tensor.shape[0] if tensor.dim() else 1
+        ctx.shape, ctx.name = tensor.shape, name
         return synchronize(allgather_async(tensor, name))
 
     @staticmethod
     def backward(ctx, grad):
+        # Rows per rank are exchanged here, not forward, so that forward passes run the
+        # same collectives whether or not gradients are wanted (and in any framework).
+        rows = _comm().allgather(np.array([ctx.rows]),
+                                 None if ctx.name is None else f"{ctx.name}.grad.rows")
+        start = int(rows[: _rs.rank()].sum())
         summed = synchronize(allreduce_async(grad, Sum, name=_grad_name(ctx.name)))
-        return summed[ctx.start: ctx.start + ctx.rows], None
+        return summed[start: start + ctx.rows].reshape(ctx.shape), None
 
 
 class _Broadcast(torch.autograd.Function):
