@@ -32,6 +32,8 @@ def _buffer_array(x) -> Optional[np.ndarray]:
     or None when x exposes no buffer."""
     if isinstance(x, np.ndarray):
         return x
+    if isinstance(x, np.generic):  # a numpy scalar: 0-d, not the 1-d its memoryview gives
+        return np.asarray(x)
     try:
         return np.asarray(memoryview(x))
     except TypeError:
@@ -48,7 +50,9 @@ def as_input(x, what: str, name: Optional[str]) -> np.ndarray:
     """A C-contiguous array view of x (copied only if it is not contiguous)."""
     arr = _buffer_array(x)
     arr = np.asarray(x) if arr is None else arr
-    return np.ascontiguousarray(_reject_objects(arr, what, name))
+    arr = _reject_objects(arr, what, name)
+    # (np.ascontiguousarray would turn a 0-d array into a 1-d one)
+    return arr if arr.flags.c_contiguous else arr.copy(order="C")
 
 
 def as_output(x, what: str, name: Optional[str]) -> np.ndarray:

@@ -57,6 +57,8 @@ def allreduce_large_and_strided():
     base = _inputs((40, 6), "float64", "Sum", "strided")
     got = rs.allreduce(base[rs.rank()][::2, 1::2], op=rs.Average)  # a strided view
     assert_reduced(got, [b[::2, 1::2].copy() for b in base], "Average", what="strided input")
+    scalar = rs.allreduce(np.float64(rs.rank()), op=rs.Sum)  # 0-d in, 0-d out
+    assert scalar.shape == () and scalar == sum(range(rs.size())), scalar
     buf = bytearray(rank_input(rs.rank(), (17,), "uint8").tobytes())
     rs.allreduce_(buf, op=rs.Max)  # an in-place buffer-protocol object
     assert_reduced(np.frombuffer(bytes(buf), np.uint8), _inputs((17,), "uint8"), "Max",
