@@ -28,7 +28,7 @@ REQUIRED_ACCURACY = 0.95
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=12)
-    parser.add_argument("--batch", type=int, default=64,
+    parser.add_argument("--batch", type=int, default=32,
                         help="global batch size, split across ranks (rounded down to a multiple)")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--warmup-epochs", type=int, default=2,

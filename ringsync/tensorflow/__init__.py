@@ -4,8 +4,7 @@ inside tf.function, with gradients; DistributedGradientTape; broadcast_variables
 Eager tensors reach the core through numpy views of their buffers (no copy in); results
 come back as new tensors (one copy out). Inside tf.function each collective is a
 tf.py_function, which TensorFlow runs in the calling process; XLA cannot compile it (see
-the README). Work in progress: the Keras optimizer wrapper and callbacks
-(ringsync.tensorflow.keras) are not written yet.
+the README). The Keras 3 optimizer wrapper and callbacks are in ringsync.tensorflow.keras.
 """
 import itertools
 

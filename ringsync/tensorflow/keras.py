@@ -10,6 +10,7 @@ DistributedOptimizer wraps any Keras 3 optimizer by composition, through public 
 it averages the gradients over all ranks and hands them to the wrapped optimizer, whose
 variables, iterations and learning rate it exposes as its own.
 """
+import itertools
 import warnings
 
 import numpy as np
@@ -21,6 +22,9 @@ from ringsync.errors import UsageError
 from . import (Average, Compression, ReduceOp, _reduce_gradients, allreduce,  # noqa: F401
                broadcast_variables, init, rank, shutdown, size)
 from . import *  # noqa: F401,F403  (the whole ringsync.tensorflow API, as horovod.tensorflow.keras)
+
+
+_instances = itertools.count()  # wrappers made in this process, in order (the same on all ranks)
 
 
 @keras.saving.register_keras_serializable(package="ringsync")
@@ -45,6 +49,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self._predivide = float(gradient_predivide_factor)
         self._sparse_as_dense = sparse_as_dense
         self._accumulators = None
+        # Tensor names must agree across ranks; Keras's auto-names (sgd, sgd_1, ...) count
+        # every optimizer the process made, so count only these wrappers instead.
+        self._reduce_name = f"keras.opt{next(_instances)}.grads"
 
     # ---- the wrapped optimizer's state, exposed as ours ----
 
@@ -113,7 +120,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     def _reduce(self, grads):
         return _reduce_gradients(grads, self._compression, self._op, self._predivide,
-                                 self._sparse_as_dense, f"{self.name}.grads")
+                                 self._sparse_as_dense, self._reduce_name)
 
     def _accumulate_then_apply(self, grads, variables):
         """Sum gradients locally for backward_passes_per_step calls, then reduce and apply
@@ -229,6 +236,9 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
     def __init__(self, initial_lr, warmup_epochs=5, steps_per_epoch=None, verbose=0):
         def multiplier(epoch):
+            # Count the batch being started as done, so that the last warmup batch runs at
+            # exactly initial_lr (Horovod's convention).
+            epoch += 1.0 / self.steps_per_epoch
             return 1.0 / size() * (epoch * (size() - 1) / warmup_epochs + 1)
 
         super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs,

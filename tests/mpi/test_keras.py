@@ -27,3 +27,10 @@ def test_callbacks(np):
 def test_save_and_load(tmp_path):
     assert_mpi_ok(BODY + "save_and_load_a_wrapped_model", np=2, timeout=240,
                   env=dict(ENV, RINGSYNC_TEST_DIR=str(tmp_path)))
+
+
+@pytest.mark.parametrize("example", ["keras_digits.py", "tf_gradient_tape_digits.py"])
+def test_digits_examples_reach_95_percent(example):
+    import os
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", example)
+    assert_mpi_ok(os.path.abspath(path), np=2, timeout=300, env=ENV, args=("--check",))
