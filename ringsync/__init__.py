@@ -191,6 +191,9 @@ def barrier():
     _comm().barrier()
 
 
+from .objects import allgather_object, broadcast_object  # noqa: E402
+
+
 def join() -> int:
     """Declare that this rank has no more data; returns the last rank to join (Horovod)."""
     return _comm().join()
@@ -221,7 +224,7 @@ __all__ = [
     "allreduce_async_", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
     "grouped_allreduce_async_", "allgather", "allgather_async", "broadcast", "broadcast_",
     "broadcast_async", "broadcast_async_", "reducescatter", "reducescatter_async", "alltoall",
-    "alltoall_async", "barrier", "join", "poll", "synchronize", "start_timeline", "stop_timeline",
+    "alltoall_async", "barrier", "join", "poll", "broadcast_object", "allgather_object", "synchronize", "start_timeline", "stop_timeline",
     "Handle", "Sum", "Average", "Min", "Max",
     "Product", "ReduceOp", "Communicator", "Config", "RingsyncError", "UsageError",
     "NotInitializedError", "CommunicationError", "CommunicationTimeout", "HorovodInternalError",

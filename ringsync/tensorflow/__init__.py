@@ -17,6 +17,7 @@ from ringsync import (Average, Max, Min, Product, ReduceOp, Sum, barrier, cross_
                       shutdown, size, start_timeline, stop_timeline)
 from ringsync.errors import (CommunicationError, HorovodInternalError, RingsyncError,
                              UsageError)
+from ringsync.objects import allgather_object, broadcast_object
 
 _trace_names = itertools.count()  # names fixed when a graph is traced (see _name)
 
@@ -166,28 +167,6 @@ def broadcast_variables(variables, root_rank=0):
     """Assign root_rank's values to every variable, on every rank."""
     for i, v in enumerate(variables):
         v.assign(broadcast(v, root_rank, name=f"broadcast.var.{i}.{v.name}"))
-
-
-def broadcast_object(obj, root_rank=0, name=None):
-    """root_rank's obj (picklable) on every rank."""
-    import pickle
-    name = name or "broadcast_object"
-    payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if rank() == root_rank else None
-    size_ = _rs.broadcast(np.array([payload.size if payload is not None else 0], np.int64),
-                          root_rank, name=f"{name}.size")
-    buf = payload if payload is not None else np.empty(int(size_[0]), np.uint8)
-    return pickle.loads(_rs.broadcast(buf, root_rank, name=f"{name}.data").tobytes())
-
-
-def allgather_object(obj, name=None):
-    """Every rank's obj (picklable), in rank order."""
-    import pickle
-    name = name or "allgather_object"
-    payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
-    sizes = _rs.allgather(np.array([payload.size], np.int64), name=f"{name}.sizes")
-    data = _rs.allgather(payload, name=f"{name}.data").tobytes()
-    starts = np.concatenate([[0], np.cumsum(sizes)])
-    return [pickle.loads(data[starts[i]:starts[i + 1]]) for i in range(len(sizes))]
 
 
 class Compression:

@@ -1,14 +1,12 @@
 """Helpers for whole models and Python objects: broadcast_parameters,
 broadcast_optimizer_state, broadcast_object, allgather_object."""
-import io
-import pickle
 from collections.abc import Mapping
 
-import numpy as np
 import torch
 
 import ringsync as _rs
 from ringsync.errors import UsageError
+from ringsync.objects import allgather_object, broadcast_object  # noqa: F401 (re-exported)
 
 from . import mpi_ops
 
@@ -33,36 +31,6 @@ def broadcast_parameters(params, root_rank=0, prefix="broadcast.param"):
                                                 name=f"{prefix}.{name}"))
     for h in handles:
         mpi_ops.synchronize(h)
-
-
-def broadcast_object(obj, root_rank=0, name=None):
-    """root_rank's obj (any picklable object, tensors included) on every rank."""
-    name = name or "broadcast_object"
-    if _rs.rank() == root_rank:
-        buf = io.BytesIO()
-        torch.save(obj, buf)
-        payload = np.frombuffer(buf.getvalue(), dtype=np.uint8)
-        size = np.array([payload.size], dtype=np.int64)
-    else:
-        payload, size = None, np.zeros(1, dtype=np.int64)
-    size = _rs.broadcast(size, root_rank, name=f"{name}.size")
-    if payload is None:
-        payload = np.empty(int(size[0]), dtype=np.uint8)
-    payload = _rs.broadcast(payload, root_rank, name=f"{name}.data")
-    return torch.load(io.BytesIO(payload.tobytes()), weights_only=False)
-
-
-def allgather_object(obj, name=None):
-    """A list with every rank's obj (picklable), in rank order."""
-    name = name or "allgather_object"
-    payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
-    sizes = _rs.allgather(np.array([payload.size], dtype=np.int64), name=f"{name}.sizes")
-    data = _rs.allgather(payload, name=f"{name}.data").tobytes()
-    out, at = [], 0
-    for size in sizes:
-        out.append(pickle.loads(data[at: at + int(size)]))
-        at += int(size)
-    return out
 
 
 def broadcast_optimizer_state(optimizer, root_rank=0):
