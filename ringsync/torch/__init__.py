@@ -10,6 +10,8 @@ CPU tensors are shared with the native core without copies. CUDA tensors work to
 through host memory (there is no device-side transport yet): expect the speed of a
 device-to-host copy on top of the reduction.
 """
+# ruff: noqa: F401
+# The names below are the module's API (horovod.torch's), re-exported on purpose.
 from ringsync import (Average, Max, Min, Product, ReduceOp, Sum, barrier, cross_rank,
                       cross_size, init, is_initialized, local_rank, local_size, rank, shutdown,
                       size, start_timeline, stop_timeline)

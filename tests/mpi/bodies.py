@@ -8,8 +8,8 @@ import numpy as np
 
 import ringsync as rs
 
-from .reference import (FLOAT_DTYPES, MOVABLE, OPS, REDUCIBLE, SIZES, assert_reduced,
-                        dtype_of, rank_input)
+from .reference import (MOVABLE, OPS, REDUCIBLE, SIZES, assert_reduced,
+                        rank_input)
 
 
 def _op(name):

@@ -1,7 +1,5 @@
 """The PyTorch adapter under several ranks."""
 import os
-import subprocess
-import sys
 
 import pytest
 
