@@ -180,6 +180,14 @@ def stalled_tensor_is_reported():
     rs.shutdown()
 
 
+def _expect_communication_error(call, failure_message):
+    try:
+        call()
+    except rs.CommunicationError:
+        return
+    raise AssertionError(failure_message)
+
+
 def never_submitted_times_out_everywhere():
     """Rank 1 never submits 'orphan': the ranks that did fail it (the first to time out
     names the missing rank; the others may learn of it first through that rank's abort),
@@ -202,12 +210,8 @@ def never_submitted_times_out_everywhere():
         else:
             raise AssertionError("rank 1's collective succeeded after its peers gave up")
     # Every later call fails at once with the communication error.
-    try:
-        rs.allreduce(np.ones(1), name="later")
-    except rs.CommunicationError:
-        pass
-    else:
-        raise AssertionError("a broken engine accepted new work")
+    _expect_communication_error(lambda: rs.allreduce(np.ones(1), name="later"),
+                                "a broken engine accepted new work")
     rs.shutdown()
 
 
@@ -237,12 +241,8 @@ def killed_peer_fails_pending_handles(marker=""):
             assert f"rank {victim} (host" in str(e), str(e)
             failures += 1
     assert failures > 0, "every pending handle succeeded without the victim"
-    try:
-        rs.allreduce(np.ones(3), name="later")
-    except rs.CommunicationError:
-        pass
-    else:
-        raise AssertionError("a later handle succeeded after the peer died")
+    _expect_communication_error(lambda: rs.allreduce(np.ones(3), name="later"),
+                                "a later handle succeeded after the peer died")
     with open(os.path.join(folder, f"survivor-{rs.rank()}"), "w") as f:
         f.write("ok")
     rs.shutdown()

@@ -42,8 +42,6 @@ def test_training_matches_one_process(np, kind, dtype, passes, compression):
 
 def test_pytorch_digits_example_reaches_95_percent():
     example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "pytorch_digits.py")
-    if not os.path.exists(example):
-        pytest.skip("examples/pytorch_digits.py not present")
     assert_mpi_ok(os.path.abspath(example), np=2, timeout=300, env=ENV, args=("--check",))
 
 
