@@ -4,7 +4,6 @@ The module-level functions use one default Communicator made by init(); everythi
 works on explicit ringsync.Communicator objects.
 """
 import atexit
-import os
 import sys
 import traceback
 
@@ -40,13 +39,36 @@ _default = None  # the Communicator behind the module-level API
 
 def init(comm=None):
     """Build the ring over `comm` (an mpi4py intracommunicator; MPI.COMM_WORLD by default).
-    Calling it again while initialised does nothing."""
-    global _default
+    Calling it again while initialised does nothing. In a replacement rank started by
+    elastic recovery (--respawn), the default is the communicator shared with the
+    survivors."""
     if _default is not None and not _default.closed:
         return
-    _default = Communicator(comm)
+    own = False
+    if comm is None:
+        from . import bootstrap
+        comm = bootstrap.replacement_world()
+        own = comm is not None
+    _start(comm, own)
+
+
+def _start(comm, own_comm: bool, survivor: bool = False):
+    """Make the default Communicator. A replacement rank (own_comm) that cannot build it
+    dies as a failed rank, so that the others recover again rather than wait for it; a
+    survivor of a failure (elastic recovery) gets the error and recovers again."""
+    global _default
+    _default = None
+    try:
+        _default = Communicator(comm, own_comm=own_comm)
+    except Exception:
+        if not own_comm or survivor:
+            raise
+        from . import bootstrap
+        traceback.print_exc()
+        bootstrap.exit_as_failed()
     if _default.size() > 1:
         _install_die_hard_excepthook()
+    atexit.unregister(shutdown)  # once, however often the ring is rebuilt
     atexit.register(shutdown)
 
 
@@ -70,7 +92,9 @@ def _comm() -> Communicator:
 def _install_die_hard_excepthook():
     """An uncaught exception must end this rank at once: left to the interpreter, it would
     sit in MPI_Finalize while the peers wait for it forever. mpirun sees the non-zero exit
-    and ends the job; peers see the broken connection."""
+    and ends the job (under MPI fault tolerance the rank is killed instead, so that
+    elastic survivors recover without it); peers see the broken connection."""
+    from . import bootstrap
     previous = sys.excepthook
     if getattr(previous, "_ringsync_die_hard", False):
         return
@@ -80,10 +104,8 @@ def _install_die_hard_excepthook():
             rank = _default.rank() if _default is not None else "?"
             sys.stderr.write(f"ringsync: uncaught exception on rank {rank}; exiting this rank\n")
             traceback.print_exception(exc_type, exc, tb)
-            sys.stderr.flush()
-            sys.stdout.flush()
         finally:
-            os._exit(1)
+            bootstrap.exit_as_failed()
 
     die_hard._ringsync_die_hard = True
     sys.excepthook = die_hard

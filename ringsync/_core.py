@@ -93,7 +93,10 @@ class Communicator:
     Holds its own native context; several can exist in one process.
     """
 
-    def __init__(self, mpi_comm=None, config: Optional[Config] = None):
+    def __init__(self, mpi_comm=None, config: Optional[Config] = None, own_comm: bool = False):
+        """own_comm: mpi_comm is ours alone (elastic recovery hands over the communicator
+        it just built): use it as it is instead of a duplicate, so that revoking it also
+        interrupts this constructor's own MPI calls."""
         from mpi4py import MPI
 
         mpi_comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
@@ -101,7 +104,9 @@ class Communicator:
             raise UsageError(f"ringsync.init: comm must be an mpi4py intracommunicator, "
                              f"got {type(mpi_comm).__name__}")
         self.config = config or Config.from_env()
-        self._mpi = mpi_comm.Dup()  # our bootstrap traffic never mixes with the user's
+        # Our bootstrap traffic never mixes with the user's.
+        self._mpi = mpi_comm if own_comm else mpi_comm.Dup()
+        self._owns_dup = not own_comm
         self._rank, self._size = self._mpi.Get_rank(), self._mpi.Get_size()
         self._c = ffi.NULL
         self._engine = ffi.NULL
@@ -111,7 +116,7 @@ class Communicator:
             self._start_engine()
         except BaseException:
             self._destroy_native()
-            self._mpi.Free()
+            self._free_mpi()
             raise
 
     # ---- setup and teardown ----
@@ -189,6 +194,13 @@ class Communicator:
             lib.rs_comm_destroy(self._c)
             self._c = ffi.NULL
 
+    def _free_mpi(self):
+        if self._owns_dup:
+            try:
+                self._mpi.Free()
+            except Exception:  # a communicator with failed ranks: nothing left to free
+                pass
+
     def shutdown(self):
         """Stop the engine and close the ring. Waits (bounded by the timeout) until every
         healthy rank gets here, so that no rank's exit looks like a failure to a peer."""
@@ -196,11 +208,30 @@ class Communicator:
             return
         lib.rs_engine_shutdown(self._engine)  # a failure here changes nothing: we close
         self._destroy_native()
-        self._mpi.Free()
+        self._free_mpi()
+
+    def abort(self, reason: str = "aborted"):
+        """Fail every pending collective here and on every peer, and close the ring at
+        once (no shutdown handshake). The MPI communicator is kept: elastic recovery
+        revokes and shrinks it (see mpi_comm)."""
+        if self._c == ffi.NULL:
+            return
+        lib.rs_engine_abort(self._engine, reason.encode())
+        self._destroy_native()
+
+    @property
+    def mpi_comm(self):
+        """The MPI communicator this ring was bootstrapped over (ringsync's own copy)."""
+        return self._mpi
 
     @property
     def closed(self) -> bool:
         return self._c == ffi.NULL
+
+    @property
+    def broken(self) -> bool:
+        """True once the ring has failed (a lost peer, a timeout, an abort)."""
+        return self._c != ffi.NULL and lib.rs_comm_is_broken(self._c) != 0
 
     # ---- topology ----
 

@@ -1,12 +1,16 @@
-"""Bootstrap through MPI: choose where to listen, exchange addresses, learn the topology.
+"""Bootstrap through MPI: choose where to listen, exchange addresses, learn the topology,
+and (elastic jobs) agree on the surviving ranks after a failure.
 
 MPI only carries a few bytes per rank here; the native core's own sockets carry the data.
 """
 import fcntl
 import ipaddress
+import os
 import secrets
+import signal
 import socket
 import struct
+import sys
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
@@ -100,3 +104,75 @@ def topology(host_names: Sequence[str], rank: int) -> Topology:
         cross_rank=same_local.index(rank),
         cross_size=len(same_local),
     )
+
+
+# --------------------------------------------------------------------------- fault tolerance
+# MPI agrees on membership after a failure (ULFM: Revoke, Shrink, Spawn, Merge); the ring
+# itself is then rebuilt over the communicator these return.
+
+
+def fault_tolerant(environ=os.environ) -> bool:
+    """Whether MPI keeps the survivors running when a rank dies (Open MPI: mpirun
+    --with-ft ulfm, which `ringsync run --elastic` adds). RINGSYNC_MPI_FT=1 asserts it
+    for another MPI with ULFM."""
+    flags = (environ.get("OMPI_MCA_mpi_ft_enable", ""), environ.get("RINGSYNC_MPI_FT", ""))
+    return any(flag.lower() in ("1", "true", "yes") for flag in flags)
+
+
+def exit_as_failed(code: int = 1) -> None:
+    """End this process at once so that its peers see a failed rank. Under fault
+    tolerance that takes a signal (an exit status, even non-zero, reads as an orderly
+    end of the whole job there); otherwise the non-zero status makes mpirun end the job.
+    Never returns, never waits in MPI_Finalize."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if fault_tolerant():
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(code)
+
+
+def _errors_return(comm):
+    from mpi4py import MPI
+    comm.Set_errhandler(MPI.ERRORS_RETURN)  # failures become exceptions, not aborts
+    return comm
+
+
+def replacement_world():
+    """In a rank that survivors started with Spawn to replace a lost one: the
+    communicator it shares with them (they merged theirs first, so they keep ranks
+    0..k-1). None in every other process."""
+    from mpi4py import MPI
+    parent = MPI.Comm.Get_parent()
+    if parent == MPI.COMM_NULL:
+        return None
+    world = _errors_return(parent.Merge(high=True))
+    parent.Disconnect()  # Get_parent() is null from now on: a later init() won't merge again
+    return world
+
+
+def shrink(comm):
+    """Revoke comm (interrupting every rank still using it) and agree on who is left.
+    Returns (survivors' communicator, ranks of comm that were lost)."""
+    from mpi4py import MPI
+    try:
+        comm.Revoke()
+    except MPI.Exception:
+        pass  # already revoked by a peer
+    survivors = _errors_return(comm.Shrink())
+    kept = MPI.Group.Translate_ranks(survivors.Get_group(), list(range(survivors.Get_size())),
+                                     comm.Get_group())
+    return survivors, sorted(set(range(comm.Get_size())) - set(kept))
+
+
+def spawn_replacements(comm, count: int):
+    """Start `count` new ranks running this program, with comm's ranks first in the
+    merged communicator returned."""
+    from mpi4py import MPI
+    info = MPI.Info.Create()
+    info.Set("map_by", ":OVERSUBSCRIBE")  # replacements may land where the lost ranks ran
+    argv = list(getattr(sys, "orig_argv", [sys.executable] + sys.argv))
+    inter = comm.Spawn(sys.executable, argv[1:], maxprocs=count, info=info, root=0)
+    info.Free()
+    world = _errors_return(inter.Merge(high=False))
+    inter.Disconnect()
+    return world

@@ -23,6 +23,14 @@ class Config:
     cache_capacity: int = 4096
     # RINGSYNC_TIMELINE: write a Chrome-trace timeline to this file
     timeline: Optional[str] = None
+    # RINGSYNC_ELASTIC_MIN_NP: fewest ranks an elastic job goes on with after a failure
+    elastic_min_np: int = 1
+    # RINGSYNC_ELASTIC_MAX_NP: most ranks an elastic job may have (0: no limit)
+    elastic_max_np: int = 0
+    # RINGSYNC_ELASTIC_RESPAWN: 1 = start replacement ranks to restore the original size
+    elastic_respawn: int = 0
+    # RINGSYNC_ELASTIC_RESET_LIMIT: most recoveries before an elastic job gives up (0: none)
+    elastic_reset_limit: int = 0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ, **overrides) -> "Config":

@@ -159,6 +159,10 @@ rs_status_t rs_engine_take_result(rs_engine_t *engine, int64_t handle, void **da
 void rs_engine_release(rs_engine_t *engine, int64_t handle);
 /* Collective: waits (bounded by the timeout) until every rank shuts down, then stops. */
 rs_status_t rs_engine_shutdown(rs_engine_t *engine);
+/* Fails every pending and later request with `reason` and aborts the communicator, so
+ * that peers fail too instead of waiting for this rank (elastic recovery starts here).
+ * Safe from any thread, while the engine is in the middle of a round. */
+rs_status_t rs_engine_abort(rs_engine_t *engine, const char *reason);
 /* Stops the thread and fails every pending handle; does not touch the communicator. */
 void rs_engine_destroy(rs_engine_t *engine);
 const char *rs_engine_last_error(rs_engine_t *engine);

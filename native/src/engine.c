@@ -720,6 +720,14 @@ rs_status_t rs_engine_shutdown(rs_engine_t *e) {
     return st;
 }
 
+rs_status_t rs_engine_abort(rs_engine_t *e, const char *reason) {
+    /* engine_fail only shuts the sockets down (no close), which the engine thread,
+     * possibly blocked in poll on them, sees as a failed round. */
+    engine_fail(e, RS_ERR_COMM, reason ? reason : "aborted");
+    wake_thread(e);
+    return RS_OK;
+}
+
 void rs_engine_destroy(rs_engine_t *e) {
     if (!e)
         return;

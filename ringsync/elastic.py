@@ -1,0 +1,263 @@
+"""Elastic training: when a rank dies, the survivors go on without it (or with a replacement).
+
+    import ringsync.torch as hvd
+    hvd.init()
+    state = hvd.elastic.TorchState(model, optimizer, epoch=0, batch=0)
+
+    @hvd.elastic.run
+    def train(state):
+        ...                      # training steps
+        state.commit()           # every few steps: the point a failure rolls back to
+
+    train(state)
+
+Launched with ``ringsync run --elastic -np 4 --min-np 2 [--respawn] python train.py``
+(Open MPI's ``mpirun --with-ft ulfm``). When a rank dies, the survivors' next collective
+raises CommunicationError. run() catches it and each survivor: aborts the old ring (so
+every peer fails fast too), revokes and shrinks the MPI communicator (ULFM) to agree on
+who is left, optionally spawns replacements, rebuilds the ring, rolls back to the newest
+commit every survivor holds, calls the reset callbacks, syncs the state from the new
+rank 0, and calls the training function again. rank() and size() report the new values.
+"""
+import copy
+import functools
+import sys
+import time
+from typing import Callable, Iterable, List
+
+import ringsync as _rs
+
+from . import bootstrap
+from .config import Config
+from .errors import CommunicationError, UsageError
+from .objects import broadcast_object
+
+
+class State:
+    """Training state that survives a lost rank: commit() takes a snapshot (a local
+    copy, no communication), restore() rolls back to one, sync() makes every rank's live
+    state equal to rank 0's. Subclasses say how to snapshot, load and broadcast."""
+
+    def __init__(self):
+        self._reset_callbacks: List[Callable[[], None]] = []
+        self._commit_id = 0
+        self._snapshots = {0: self.snapshot()}
+
+    # ---- what a subclass provides ----
+
+    def snapshot(self):
+        """A copy of the live state that later changes to it do not touch."""
+        raise NotImplementedError
+
+    def load_snapshot(self, snapshot) -> None:
+        """Make the live state equal to a snapshot (which must stay untouched)."""
+        raise NotImplementedError
+
+    def broadcast_state(self, root_rank: int) -> None:
+        """Overwrite the live state on every rank with root_rank's."""
+        raise NotImplementedError
+
+    # ---- the protocol ----
+
+    @property
+    def commit_id(self) -> int:
+        """How many commits this state has had (the same on every rank after sync())."""
+        return self._commit_id
+
+    def register_reset_callbacks(self, callbacks: Iterable[Callable[[], None]]) -> None:
+        """Functions called after every recovery, once size() and rank() have their new
+        values and before the state is synced (e.g. to rescale the learning rate)."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        for callback in self._reset_callbacks:
+            callback()
+
+    def commit(self) -> None:
+        """Remember the live state as the point a failure rolls back to."""
+        self._commit_id += 1
+        self._snapshots[self._commit_id] = self.snapshot()
+        # Every training step needs every rank, so no survivor is more than one commit
+        # ahead of another: the newest two snapshots are all recovery can ask for.
+        self._snapshots.pop(self._commit_id - 2, None)
+
+    def restore(self, commit_id=None) -> None:
+        """Roll the live state back to a commit (the newest by default)."""
+        commit_id = self._commit_id if commit_id is None else commit_id
+        if commit_id not in self._snapshots:
+            raise UsageError(f"ringsync.elastic: commit {commit_id} is not held on rank "
+                             f"{_rs.rank() if _rs.is_initialized() else '?'} (it holds "
+                             f"{sorted(self._snapshots)})")
+        self.load_snapshot(self._snapshots[commit_id])
+        self._commit_id = commit_id
+        for newer in [c for c in self._snapshots if c > commit_id]:
+            del self._snapshots[newer]
+
+    def sync(self) -> None:
+        """Every rank takes rank 0's live state and commit count, which also becomes
+        everyone's newest commit (a replacement rank has nothing else to roll back to)."""
+        self._commit_id = broadcast_object(self._commit_id, 0, name="ringsync.elastic.commit")
+        self.broadcast_state(0)
+        self._snapshots = {self._commit_id: self.snapshot()}
+
+
+def capture(value):
+    """A snapshot of one value: its state_dict() when it has one (samplers, LR
+    schedulers), else a deep copy."""
+    if hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
+        return copy.deepcopy(value.state_dict())
+    return copy.deepcopy(value)
+
+
+def _load_into(owner, name: str, saved) -> None:
+    current = getattr(owner, name, None)
+    if hasattr(current, "state_dict") and hasattr(current, "load_state_dict"):
+        current.load_state_dict(copy.deepcopy(saved))
+    else:
+        setattr(owner, name, copy.deepcopy(saved))
+
+
+class ObjectState(State):
+    """State made of picklable Python values given as keyword arguments, which become
+    attributes: ``state = ObjectState(epoch=0, batch=0)``, then ``state.epoch += 1``.
+    Values with state_dict()/load_state_dict() (an ElasticSampler, an LR scheduler) are
+    saved and restored through those."""
+
+    def __init__(self, **kwargs):
+        self._object_names = list(kwargs)
+        for name, value in kwargs.items():
+            setattr(self, name, value)
+        super().__init__()
+
+    def snapshot(self):
+        return {name: capture(getattr(self, name)) for name in self._object_names}
+
+    def load_snapshot(self, snapshot) -> None:
+        for name, saved in snapshot.items():
+            _load_into(self, name, saved)
+
+    def broadcast_state(self, root_rank: int) -> None:
+        values = broadcast_object(self.snapshot(), root_rank, name="ringsync.elastic.objects")
+        self.load_snapshot(values)
+
+
+# --------------------------------------------------------------------------- recovery
+
+
+def run(func):
+    """Decorator for the training function ``func(state, ...)``. Syncs the state, runs
+    func, and on a lost rank recovers and runs it again from the restored commit."""
+
+    @functools.wraps(func)
+    def wrapper(state: State, *args, **kwargs):
+        recovery = _Recovery(Config.from_env())
+        while True:
+            try:
+                state.sync()
+                return func(state, *args, **kwargs)
+            except Exception as error:
+                if not _is_rank_failure(error):
+                    raise
+                recovery.recover(state, error)
+
+    return wrapper
+
+
+def _is_rank_failure(error: BaseException) -> bool:
+    """A failure of the ring or of MPI, even where a framework re-raised it as its own
+    error type (TensorFlow wraps exceptions raised inside its ops)."""
+    if isinstance(error, CommunicationError):
+        return True
+    try:
+        from mpi4py import MPI
+        if isinstance(error, MPI.Exception):
+            return True
+    except ImportError:
+        pass
+    current = _rs._default
+    return current is not None and current.broken
+
+
+def _log(text: str) -> None:
+    sys.stderr.write(f"ringsync.elastic: {text}\n")
+    sys.stderr.flush()
+
+
+def _end_job(text: str) -> None:
+    """An orderly end with a non-zero status, which mpirun takes as the end of the job."""
+    _log(text)
+    sys.stdout.flush()
+    import os
+    os._exit(1)
+
+
+class _Recovery:
+    """One run() call's recoveries: how many there were, and the size to restore."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.resets = 0
+        self.target_size = _rs.size()
+        if config.elastic_max_np:
+            self.target_size = min(self.target_size, config.elastic_max_np)
+
+    def recover(self, state: State, error: BaseException) -> None:
+        old = _rs._default
+        old_rank, old_size = old.rank(), old.size()
+        if not bootstrap.fault_tolerant():
+            raise CommunicationError(
+                f"rank {old_rank} lost its peers and cannot recover: elastic training needs MPI "
+                f"fault tolerance (ringsync run --elastic, or mpirun --with-ft ulfm). The "
+                f"failure: {error}") from error
+        started = time.monotonic()
+        _log(f"rank {old_rank} of {old_size}: {error}; recovering")
+        old.abort(f"rank {old_rank} is recovering from a failure")
+        self._world = old.mpi_comm
+        while True:
+            self._count_reset()
+            try:
+                lost, spawned, commit = self._rebuild(self._world, state)
+                break
+            except Exception as again:
+                if not _is_rank_failure(again):
+                    raise
+                _log(f"another failure during recovery on rank {old_rank}: {again}; "
+                     "recovering again")
+                if _rs._default is not None:
+                    _rs._default.abort("recovering again")
+        if _rs.rank() == 0:
+            _log(f"lost rank(s) {lost} of {old_size}; {_rs.size() - spawned} survivors"
+                 + (f" + {spawned} replacement(s)" if spawned else "")
+                 + f" = {_rs.size()} ranks; restored commit {commit}; recovery took "
+                 f"{time.monotonic() - started:.2f} s (reset {self.resets})")
+
+    def _count_reset(self) -> None:
+        self.resets += 1
+        limit = self.config.elastic_reset_limit
+        if limit and self.resets > limit:
+            _end_job(f"reset limit reached ({limit} recoveries, RINGSYNC_ELASTIC_RESET_LIMIT): "
+                     "ending the job")
+
+    def _rebuild(self, world, state: State):
+        """One attempt. self._world follows the newest communicator built: every
+        survivor builds the same ones in the same order, so after another failure they
+        all revoke and shrink the same one."""
+        survivors, lost = bootstrap.shrink(world)
+        self._world = survivors
+        size = survivors.Get_size()
+        if size < self.config.elastic_min_np:
+            _end_job(f"only {size} rank(s) left after losing rank(s) {lost}; the job needs "
+                     f"at least {self.config.elastic_min_np} (--min-np): ending the job")
+        # Roll back to the newest commit every survivor holds.
+        from mpi4py import MPI
+        commit = survivors.allreduce(state.commit_id, op=MPI.MIN)
+        comm, spawned = survivors, 0
+        if self.config.elastic_respawn and size < self.target_size:
+            spawned = self.target_size - size
+            comm = bootstrap.spawn_replacements(survivors, spawned)
+            self._world = comm
+        _rs._default = None
+        _rs._start(comm, own_comm=True, survivor=True)
+        state.restore(commit)
+        state.on_reset()
+        return lost, spawned, commit
