@@ -228,6 +228,10 @@ class RunOptions:
     hosts: str | None = None
     hostfile: str | None = None
     elastic: bool = False
+    min_np: int | None = None
+    max_np: int | None = None
+    respawn: bool = False
+    reset_limit: int | None = None
     dry_run: bool = False
     verbose: bool = False
 
@@ -252,7 +256,41 @@ def build_mpirun_command(
         # Without ULFM, mpirun ends the whole job when one rank dies; with it, survivors
         # get an error they can recover from.
         command += ["--with-ft", "ulfm"]
+        for name, value in elastic_settings(options).items():
+            command += ["-x", f"{name}={value}"]
     return command + program_command(options.program)
+
+
+def elastic_settings(options: RunOptions) -> dict[str, str]:
+    """The RINGSYNC_ELASTIC_* variables (read by ringsync.elastic in every rank) for the
+    elastic options given."""
+    settings = {}
+    if options.min_np is not None:
+        settings["RINGSYNC_ELASTIC_MIN_NP"] = str(options.min_np)
+    if options.max_np is not None:
+        settings["RINGSYNC_ELASTIC_MAX_NP"] = str(options.max_np)
+    if options.respawn:
+        settings["RINGSYNC_ELASTIC_RESPAWN"] = "1"
+    if options.reset_limit is not None:
+        settings["RINGSYNC_ELASTIC_RESET_LIMIT"] = str(options.reset_limit)
+    return settings
+
+
+def check_elastic_options(options: RunOptions) -> str | None:
+    """What is wrong with the elastic options, in words, or None."""
+    given = [flag for flag, value in (("--min-np", options.min_np), ("--max-np", options.max_np),
+                                      ("--respawn", options.respawn or None),
+                                      ("--reset-limit", options.reset_limit))
+             if value is not None]
+    if given and not options.elastic:
+        return f"{', '.join(given)}: only with --elastic"
+    if options.min_np is not None and not 1 <= options.min_np <= options.np:
+        return f"--min-np {options.min_np} must be between 1 and -np {options.np}"
+    if options.max_np is not None and options.max_np < options.np:
+        return f"--max-np {options.max_np} is below -np {options.np}"
+    if options.reset_limit is not None and options.reset_limit < 0:
+        return f"--reset-limit {options.reset_limit} must be 0 (no limit) or more"
+    return None
 
 
 # --------------------------------------------------------------------------- running
@@ -452,6 +490,17 @@ RUN_OPTIONS = [
     (("--hostfile",), dict(dest="hostfile", metavar="FILE", help="an mpirun hostfile")),
     (("--elastic",),
      dict(action="store_true", help="survive rank failures (Open MPI ULFM: --with-ft ulfm)")),
+    (("--min-np",),
+     dict(dest="min_np", type=int, metavar="K",
+          help="elastic: end the job when fewer than K ranks survive (default 1)")),
+    (("--max-np",),
+     dict(dest="max_np", type=int, metavar="M", help="elastic: never grow past M ranks")),
+    (("--respawn",),
+     dict(action="store_true",
+          help="elastic: start replacement ranks so the job returns to -np ranks")),
+    (("--reset-limit",),
+     dict(dest="reset_limit", type=int, metavar="R",
+          help="elastic: end the job after R recoveries (default: no limit)")),
     (("--dry-run",), dict(action="store_true", help="print the mpirun command and exit")),
     (("-v", "--verbose"),
      dict(action="store_true", help="print the command and ringsync settings before running")),
@@ -494,8 +543,9 @@ def make_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     run_parser = commands.add_parser(
         "run",
         help="start a program on N ranks under mpirun",
-        usage="ringsync run -np N [-H HOST:SLOTS,...] [--hostfile FILE] [--elastic] "
-              "[--dry-run] [--verbose] [--] program [args ...]",
+        usage="ringsync run -np N [-H HOST:SLOTS,...] [--hostfile FILE] [--elastic "
+              "[--min-np K] [--max-np M] [--respawn] [--reset-limit R]] [--dry-run] "
+              "[--verbose] [--] program [args ...]",
         allow_abbrev=False,
     )
     for flags, kwargs in RUN_OPTIONS:
@@ -512,7 +562,11 @@ def parse_run_options(argv: list[str]) -> RunOptions:
         run_parser.error("no program given")
     if namespace.np < 1:
         run_parser.error("-np must be at least 1")
-    return RunOptions(program=program, **vars(namespace))
+    options = RunOptions(program=program, **vars(namespace))
+    problem = check_elastic_options(options)
+    if problem:
+        run_parser.error(problem)
+    return options
 
 
 def main(argv: list[str] | None = None) -> int:

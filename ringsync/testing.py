@@ -9,8 +9,9 @@ Made for pytest (ringsync's own multi-rank tests use it) and offered to users fo
 
 Each rank runs ``python -m ringsync.testing <resultdir> <target> [args...]`` under
 mpirun. A rank that finishes writes ``rank<r>.ok``; a rank that raises prints its
-traceback, writes it to ``rank<r>.err`` and dies hard with ``os._exit(1)`` (never sitting
-in MPI_Finalize while its peers wait), so mpirun ends the job. A deadline turns a hang
+traceback, writes it to ``rank<r>.err`` and dies hard with ``os._exit(1)`` (by SIGKILL
+under MPI fault tolerance), never sitting in MPI_Finalize while its peers wait, so
+mpirun ends the job or elastic peers recover. A deadline turns a hang
 into a failure: every rank first dumps its Python stacks, then the job is killed.
 """
 
@@ -60,6 +61,7 @@ class MPIResult:
     outcomes: dict[int, str]  # rank -> "ok", its traceback text, or "missing"
     timed_out: bool
     timeout: float
+    leftover_pids: list[int] = dataclasses.field(default_factory=list)  # alive after mpirun ended
 
     @property
     def ok(self) -> bool:
@@ -140,7 +142,7 @@ def run_mpi(
             dump_rank_stacks(resultdir)
             time.sleep(STACK_DUMP_GRACE_S)
             terminate_job(process)
-        kill_leftover_ranks(resultdir)
+        leftovers = kill_leftover_ranks(resultdir)
         result = MPIResult(
             target=target,
             np=np,
@@ -150,6 +152,7 @@ def run_mpi(
             outcomes=read_outcomes(resultdir, np),
             timed_out=timed_out,
             timeout=timeout,
+            leftover_pids=leftovers,
         )
     finally:
         shutil.rmtree(resultdir, ignore_errors=True)
@@ -326,15 +329,17 @@ def dump_rank_stacks(resultdir: str) -> None:
     signal_ranks(resultdir, STACK_DUMP_SIGNAL)
 
 
-def kill_leftover_ranks(resultdir: str, wait_s: float = 5.0) -> None:
-    """SIGKILL ranks that outlived mpirun and wait until they are gone.
+def kill_leftover_ranks(resultdir: str, wait_s: float = 5.0) -> list[int]:
+    """SIGKILL ranks that outlived mpirun and wait until they are gone; returns their pids.
 
     Open MPI puts each rank in its own process group, so killing mpirun's group does not
     reach them, and a rank orphaned by a killed mpirun would otherwise run forever.
     """
     deadline = time.monotonic() + wait_s
+    leftovers = signal_ranks(resultdir, signal.SIGKILL)
     while signal_ranks(resultdir, signal.SIGKILL) and time.monotonic() < deadline:
         time.sleep(0.05)
+    return leftovers
 
 
 def read_outcomes(resultdir: str, np: int) -> dict[int, str]:
@@ -387,6 +392,8 @@ def world_rank() -> int:
     finally:
         # MPI_Init may install its own handlers; keep stack dumps working.
         faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True)
+    if MPI.Comm.Get_parent() != MPI.COMM_NULL:
+        return -2  # a replacement started by elastic recovery (--respawn)
     return MPI.COMM_WORLD.Get_rank()
 
 
@@ -410,12 +417,13 @@ def run_target(target: str, args: list[str]) -> None:
 
 def fail_hard(resultdir: str, rank: int, text: str) -> None:
     """Report and exit at once: a failed rank must look dead to its peers, not wait in
-    MPI_Finalize for them."""
+    MPI_Finalize for them (under MPI fault tolerance it is killed, as ringsync's own
+    handler does, so that elastic peers recover without it)."""
+    from ringsync import bootstrap
+
     sys.stderr.write(text)
-    sys.stdout.flush()
-    sys.stderr.flush()
     write_atomically(os.path.join(resultdir, "rank%d.err" % rank), text)
-    os._exit(1)
+    bootstrap.exit_as_failed()
 
 
 def worker_main(argv: list[str]) -> None:

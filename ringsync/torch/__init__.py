@@ -19,6 +19,7 @@ from ringsync import join as _join
 from ringsync.errors import (CommunicationError, HorovodInternalError, RingsyncError,
                              UsageError)
 
+from . import elastic
 from .compression import Compression
 from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                         broadcast_parameters)

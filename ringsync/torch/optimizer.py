@@ -151,6 +151,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if failure is not None:
             raise failure
 
+    def reset_pending(self):
+        """Forget the reductions in flight, which a failed ring will never complete
+        (elastic recovery calls this); the gradients keep whatever they hold."""
+        self._pending = {}
+        self._passes = {p: 0 for p in self._names}
+        self._synchronized = False
+
     @contextlib.contextmanager
     def skip_synchronize(self):
         """For step() after an explicit synchronize() (e.g. to clip averaged gradients)."""

@@ -2,7 +2,8 @@
 
 Every process writes one JSON record to RINGSYNC_TEST_DIR when it finishes, so the test
 can compare the survivors with each other and with a reference. Faults are injected by
-the processes themselves (SIGKILL at a chosen step), chosen by original MPI rank.
+the processes themselves (SIGKILL at a chosen step), chosen by original MPI rank. The
+`marker` argument only tags the command line, so that a test can look for leftovers.
 """
 import json
 import os
@@ -67,7 +68,7 @@ class KillableState(elastic.ObjectState):
             die("in commit %d" % self.commit_id)
 
 
-def numpy_training(scenario: str = "plain"):
+def numpy_training(scenario: str = "plain", marker: str = ""):
     """SGD on a parameter vector whose gradient is allreduced every step.
 
     Scenarios: victim = original rank killed at step KILL_STEP (mid-allreduce: it submits
@@ -124,3 +125,125 @@ def _first_step_after(steps_run, recovered_at):
         return None
     after = [t for _, t in steps_run if t > recovered_at[0]]
     return after[0] if after else None
+
+
+# --------------------------------------------------------------------------- PyTorch
+
+TORCH_STEPS = 16
+TORCH_BATCH = 6
+TORCH_ROWS = 512
+
+
+def _torch_data():
+    import torch
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(TORCH_ROWS, 6, generator=g, dtype=torch.float64)
+    y = (x[:, :3].sum(1) > 0).long() + (x[:, 3] > 1).long()
+    return x, y
+
+
+def _torch_model(seed: int):
+    import torch
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(),
+                               torch.nn.Linear(8, 3)).double()
+
+
+def _rows(step: int, size: int, rank: int):
+    """The rows rank `rank` of `size` trains on at `step`; all ranks' rows together are
+    the global batch the reference trains on."""
+    start = (step * 37) % TORCH_ROWS
+    rows = [(start + i) % TORCH_ROWS for i in range(TORCH_BATCH * size)]
+    return rows[rank * TORCH_BATCH:(rank + 1) * TORCH_BATCH]
+
+
+def _torch_reference(sizes):
+    """One process replaying the global batches of the steps as they were finally run."""
+    import torch
+    x, y = _torch_data()
+    model = _torch_model(100)  # rank 0's initial parameters, which sync() gives everyone
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step, size in enumerate(sizes):
+        rows = sum((_rows(step, size, r) for r in range(size)), [])
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
+        opt.step()
+    return [p.detach().reshape(-1).tolist() for p in model.parameters()]
+
+
+def torch_training(marker: str = ""):
+    """TorchState + DistributedOptimizer: victim killed mid-allreduce (its gradient
+    reductions already started), RINGSYNC_ELASTIC_RESPAWN decides about replacements."""
+    import torch
+    import ringsync.torch as hvd
+    me = original_rank()
+    hvd.init()
+    victim = int(os.environ.get("RINGSYNC_TEST_VICTIM", "-9"))
+    kill_step = int(os.environ.get("RINGSYNC_TEST_KILL_STEP", "6"))
+    x, y = _torch_data()
+    model = _torch_model(100 + max(me, 0) if me >= 0 else 999)  # differs until sync()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    state = hvd.elastic.TorchState(model, opt, step=0, sizes=[])
+    steps_run, recovered_at = [], []
+    state.register_reset_callbacks([lambda: recovered_at.append(time.time())])
+
+    @hvd.elastic.run
+    def train(state):
+        while state.step < TORCH_STEPS:
+            rows = _rows(state.step, hvd.size(), hvd.rank())
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
+            if me == victim and state.step == kill_step:
+                die("mid-allreduce at step %d" % state.step)  # reductions are in flight
+            opt.step()
+            state.sizes = state.sizes + [hvd.size()]
+            state.step += 1
+            steps_run.append(time.time())
+            if state.step % COMMIT_EVERY == 0:
+                state.commit()
+
+    train(state)
+    params = [p.detach().reshape(-1).tolist() for p in model.parameters()]
+    reference = _torch_reference(state.sizes)
+    error = max(abs(a - b) for pa, pb in zip(params, reference) for a, b in zip(pa, pb))
+    write_record({"original_rank": me, "rank": hvd.rank(), "size": hvd.size(),
+                  "params": params, "error": error, "sizes": state.sizes,
+                  "steps_run": len(steps_run), "recovered_at": recovered_at,
+                  "first_step_after_recovery": _first_step_after(
+                      [(0, t) for t in steps_run], recovered_at)})
+    hvd.shutdown()
+
+
+def sampler_coverage(marker: str = ""):
+    """One epoch of 103 samples through an ElasticSampler, 4 per batch and rank; the
+    victim dies mid-epoch. Each step sums a per-sample count over ranks into the state;
+    in the end every sample has been counted (rolled-back steps do not count), and only
+    the padding that keeps ranks in step counts twice."""
+    import torch
+    import ringsync.torch as hvd
+    me = original_rank()
+    hvd.init()
+    victim = int(os.environ.get("RINGSYNC_TEST_VICTIM", "-9"))
+    n, batch = 103, 4
+    sampler = hvd.elastic.ElasticSampler(list(range(n)), shuffle=True, seed=3)
+    state = hvd.elastic.TorchState(sampler=sampler, counts=np.zeros(n), steps=0)
+
+    @hvd.elastic.run
+    def train(state):
+        loader = torch.utils.data.DataLoader(list(range(n)), batch_size=batch, sampler=state.sampler)
+        for batch_idx, indices in enumerate(loader):
+            if me == victim and state.steps == 5:
+                die("mid-epoch")
+            mine = np.zeros(n)
+            np.add.at(mine, indices.numpy(), 1)
+            state.counts = state.counts + rs.allreduce(mine, op=rs.Sum, name="counts")
+            state.sampler.record_batch(batch_idx, batch)
+            state.steps += 1
+            if state.steps % 3 == 0:
+                state.commit()
+
+    train(state)
+    write_record({"original_rank": me, "rank": hvd.rank(), "size": hvd.size(),
+                  "counts": state.counts.tolist(), "steps": state.steps})
+    hvd.shutdown()
