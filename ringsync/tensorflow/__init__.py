@@ -7,6 +7,7 @@ tf.py_function, which TensorFlow runs in the calling process; XLA cannot compile
 the README). The Keras 3 optimizer wrapper and callbacks are in ringsync.tensorflow.keras.
 """
 import itertools
+import zlib
 
 import numpy as np
 import tensorflow as tf
@@ -223,10 +224,17 @@ def _reduce_sparse(g, op, name):
     return tf.IndexedSlices(values, indices, dense_shape=g.dense_shape)
 
 
+def _gradients_name(sources) -> str:
+    """The same on every rank for the same variables, however many tapes each process
+    made before (a rank that replaced a lost one has made fewer), and the same every
+    step, so that the negotiation cache recognises it."""
+    described = ";".join(f"{getattr(s, 'name', '?')}{tuple(s.shape)}"
+                         for s in tf.nest.flatten(sources))
+    return f"tape.grads.{zlib.crc32(described.encode()):08x}"
+
+
 class DistributedGradientTape:
     """Wraps a tf.GradientTape: gradient() returns gradients averaged over all ranks."""
-
-    _instances = itertools.count()
 
     def __init__(self, tape, compression=Compression.none, op=Average,
                  gradient_predivide_factor=1.0, sparse_as_dense=False):
@@ -235,7 +243,6 @@ class DistributedGradientTape:
         self._tape = tape
         self._compression, self._op = compression, op
         self._predivide, self._sparse_as_dense = gradient_predivide_factor, sparse_as_dense
-        self._name = f"tape{next(self._instances)}.grads"
 
     def __getattr__(self, attr):  # watch(), stop_recording(), ... are the tape's own
         return getattr(self._tape, attr)
@@ -244,7 +251,7 @@ class DistributedGradientTape:
         grads = self._tape.gradient(target, sources, output_gradients, **kwargs)
         flat = tf.nest.flatten(grads)
         reduced = _reduce_gradients(flat, self._compression, self._op, self._predivide,
-                                    self._sparse_as_dense, self._name)
+                                    self._sparse_as_dense, _gradients_name(sources))
         return tf.nest.pack_sequence_as(grads, reduced)
 
 
@@ -256,3 +263,6 @@ __all__ = [
     "Compression", "Average", "Sum", "Min", "Max", "Product", "ReduceOp", "RingsyncError",
     "UsageError", "CommunicationError", "HorovodInternalError",
 ]
+
+
+from . import elastic  # noqa: E402  (needs broadcast_variables, defined above)

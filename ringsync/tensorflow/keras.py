@@ -22,6 +22,7 @@ from ringsync.errors import UsageError
 from . import (Average, Compression, ReduceOp, _reduce_gradients, allreduce,  # noqa: F401
                broadcast_variables, init, rank, shutdown, size)
 from . import *  # noqa: F401,F403  (the whole ringsync.tensorflow API, as horovod.tensorflow.keras)
+from . import elastic  # noqa: F401  (hvd.elastic.TensorFlowKerasState, hvd.elastic.run)
 
 
 _instances = itertools.count()  # wrappers made in this process, in order (the same on all ranks)

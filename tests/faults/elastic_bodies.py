@@ -247,3 +247,72 @@ def sampler_coverage(marker: str = ""):
     write_record({"original_rank": me, "rank": hvd.rank(), "size": hvd.size(),
                   "counts": state.counts.tolist(), "steps": state.steps})
     hvd.shutdown()
+
+
+# --------------------------------------------------------------------------- TensorFlow
+
+
+def _keras_model(seed: int):
+    import keras
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                             keras.layers.Dense(3)])
+
+
+def _keras_step(model, optimizer, x, y, tape_wrapper=None):
+    import keras
+    import tensorflow as tf
+    with tf.GradientTape() as tape:
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, model(x))
+    tape = tape_wrapper(tape) if tape_wrapper else tape
+    grads = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply(grads, model.trainable_variables)
+
+
+def _keras_reference(sizes):
+    import keras
+    x, y = (t.numpy().astype("float32") for t in _torch_data())
+    model = _keras_model(100)
+    optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+    for step, size in enumerate(sizes):
+        rows = sum((_rows(step, size, r) for r in range(size)), [])
+        _keras_step(model, optimizer, x[rows], y[rows].astype("int64"))
+    return [v.numpy().reshape(-1).tolist() for v in model.trainable_variables]
+
+
+def keras_training(marker: str = ""):
+    """TensorFlowKerasState + DistributedGradientTape; the victim dies mid-step."""
+    import keras
+    import ringsync.tensorflow as hvd
+    me = original_rank()
+    hvd.init()
+    victim = int(os.environ.get("RINGSYNC_TEST_VICTIM", "-9"))
+    kill_step = int(os.environ.get("RINGSYNC_TEST_KILL_STEP", "6"))
+    x, y = (t.numpy().astype("float32") for t in _torch_data())
+    model = _keras_model(100 + me if me >= 0 else 999)  # differs until sync()
+    optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+    state = hvd.elastic.TensorFlowKerasState(model, optimizer, step=0, sizes=[])
+    steps_run = []
+
+    @hvd.elastic.run
+    def train(state):
+        while state.step < TORCH_STEPS:
+            if me == victim and state.step == kill_step:
+                die("at step %d" % state.step)
+            rows = _rows(state.step, hvd.size(), hvd.rank())
+            _keras_step(model, optimizer, x[rows], y[rows].astype("int64"),
+                        hvd.DistributedGradientTape)
+            state.sizes = state.sizes + [hvd.size()]
+            state.step += 1
+            steps_run.append(time.time())
+            if state.step % COMMIT_EVERY == 0:
+                state.commit()
+
+    train(state)
+    params = [v.numpy().reshape(-1).tolist() for v in model.trainable_variables]
+    reference = _keras_reference(state.sizes)
+    error = max(abs(a - b) for pa, pb in zip(params, reference) for a, b in zip(pa, pb))
+    write_record({"original_rank": me, "rank": hvd.rank(), "size": hvd.size(),
+                  "params": params, "error": error, "sizes": state.sizes,
+                  "steps_run": len(steps_run)})
+    hvd.shutdown()

@@ -139,3 +139,13 @@ def test_elastic_sampler_covers_the_epoch_after_a_kill(tmp_path):
     assert min(counts) == 1, "a sample was never trained on"
     # Repeats only from padding: at most (ranks - 1) per reshard, two reshards here.
     assert sum(counts) - len(counts) <= 2 * 3, counts
+
+
+def test_keras_state_after_a_kill(tmp_path):
+    result, records = run_job(tmp_path, "keras_training", 3, RINGSYNC_TEST_VICTIM=1,
+                              RINGSYNC_TEST_KILL_STEP=6)
+    assert_survivors_agree(result, records, 2)
+    for r in records:
+        assert r["params"] == records[0]["params"], "weights differ between survivors"
+        assert r["error"] < 1e-5, r["error"]  # float32, against one process replaying
+        assert r["sizes"][:4] == [3] * 4 and set(r["sizes"][4:]) == {2}, r["sizes"]

@@ -92,6 +92,27 @@ def test_elastic_asks_for_ulfm(fake_mpi, capsys):
     assert "--with-ft" not in dry_run(capsys, "-np", "2", "a.py")
 
 
+def test_elastic_options_reach_the_ranks(fake_mpi, capsys):
+    words = " ".join(dry_run(capsys, "-np", "4", "--elastic", "--min-np", "2", "--max-np", "6",
+                             "--respawn", "--reset-limit", "3", "a.py"))
+    for setting in ("RINGSYNC_ELASTIC_MIN_NP=2", "RINGSYNC_ELASTIC_MAX_NP=6",
+                    "RINGSYNC_ELASTIC_RESPAWN=1", "RINGSYNC_ELASTIC_RESET_LIMIT=3"):
+        assert f"-x {setting}" in words
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["-np", "4", "--min-np", "2"], "--min-np: only with --elastic"),
+    (["-np", "4", "--elastic", "--min-np", "5"], "--min-np 5 must be between 1 and -np 4"),
+    (["-np", "4", "--elastic", "--max-np", "3"], "--max-np 3 is below -np 4"),
+    (["-np", "4", "--elastic", "--reset-limit", "-1"], "--reset-limit -1 must be 0"),
+])
+def test_bad_elastic_options_are_usage_errors(fake_mpi, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        launcher.main(["run"] + argv + ["a.py"])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_missing_program_or_np_is_a_usage_error(fake_mpi, capsys):
     for argv in (["run", "-np", "2"], ["run", "a.py"], ["run", "-np", "0", "a.py"]):
         with pytest.raises(SystemExit) as exit_info:

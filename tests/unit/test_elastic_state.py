@@ -1,0 +1,104 @@
+"""One-process checks of elastic state: commits, rollback, and how ElasticSampler
+folds the progress of every rank into the epoch and reshards the rest."""
+import numpy as np
+import pytest
+
+import ringsync as rs
+from ringsync import elastic
+
+
+class Counter:
+    """A value restored through state_dict(), like a sampler or an LR scheduler."""
+
+    def __init__(self):
+        self.n = 0
+
+    def state_dict(self):
+        return {"n": self.n}
+
+    def load_state_dict(self, state):
+        self.n = state["n"]
+
+
+def test_restore_rolls_back_to_the_last_commit_without_sharing_arrays():
+    state = elastic.ObjectState(step=0, w=np.zeros(3), history=[], counter=Counter())
+    state.step, state.w[:] = 4, 1.0
+    state.history.append("a")
+    state.counter.n = 7
+    state.commit()
+    state.step, state.w[:] = 9, 2.0
+    state.history.append("b")
+    state.counter.n = 8
+    state.restore()
+    assert (state.step, state.w.tolist(), state.history, state.counter.n) == (4, [1.0] * 3, ["a"], 7)
+    state.w[:] = 5.0  # changing the live state leaves the commit alone
+    state.restore()
+    assert state.w.tolist() == [1.0] * 3
+
+
+def test_two_newest_commits_are_kept():
+    state = elastic.ObjectState(step=0)
+    for step in range(1, 4):
+        state.step = step
+        state.commit()
+    assert state.commit_id == 3
+    state.restore(2)
+    assert (state.step, state.commit_id) == (2, 2)
+    with pytest.raises(rs.UsageError, match=r"commit 1 is not held .* holds \[2\]"):
+        state.restore(1)
+
+
+def test_reset_callbacks_run_in_order():
+    calls = []
+    state = elastic.ObjectState()
+    state.register_reset_callbacks([lambda: calls.append(1), lambda: calls.append(2)])
+    state.on_reset()
+    assert calls == [1, 2]
+
+
+def test_run_needs_init_first():
+    @elastic.run
+    def train(state):
+        raise AssertionError("not reached")
+
+    with pytest.raises(rs.NotInitializedError, match=r"init\(\)"):
+        train(elastic.ObjectState())
+
+
+torch = pytest.importorskip("torch")
+
+
+def test_sampler_folds_every_ranks_progress_and_reshards_the_rest():
+    from ringsync.torch.elastic import ElasticSampler
+    sampler = ElasticSampler(list(range(23)), shuffle=True, seed=5)
+    order = list(sampler)
+    assert sorted(order) == list(range(23))
+    # As if 3 ranks had each done 4 samples of their shard when the job shrank to 1 rank.
+    saved = sampler.state_dict()
+    saved.update(num_replicas=3, done_here=4)
+    sampler.load_state_dict(saved)
+    shards = [ElasticSampler._shard(order, 3, r) for r in range(3)]
+    done = {i for shard in shards for i in shard[:4]}
+    assert len(done) == 12 and sampler.processed == done
+    assert sorted(sampler) == sorted(set(range(23)) - done)
+    assert len(sampler) == 11
+
+
+def test_sampler_shards_are_equal_and_cover_everything():
+    from ringsync.torch.elastic import ElasticSampler
+    remaining = list(range(10))
+    shards = [ElasticSampler._shard(remaining, 4, r) for r in range(4)]
+    assert {len(s) for s in shards} == {3}
+    assert set().union(*shards) == set(remaining)
+
+
+def test_sampler_set_epoch_starts_over_and_ignores_the_current_epoch():
+    from ringsync.torch.elastic import ElasticSampler
+    sampler = ElasticSampler(list(range(8)), shuffle=True, seed=1)
+    sampler.record_batch(0, 4)
+    sampler.set_epoch(0)  # the current epoch: progress kept
+    assert sampler.done_here == 4
+    first = list(sampler)
+    sampler.set_epoch(1)
+    assert sampler.done_here == 0 and sampler.processed == set()
+    assert sorted(sampler) == list(range(8)) and list(sampler) != first
