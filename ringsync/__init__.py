@@ -37,6 +37,26 @@ Product = ReduceOp.PRODUCT
 _default = None  # the Communicator behind the module-level API
 
 
+def _skip_mpi_finalize_under_fault_tolerance():
+    """Open MPI 5's MPI_Finalize can wait forever once a rank of the job has died, even
+    after Revoke and Shrink (seen here in about 1 run of 6 with plain mpi4py). Under
+    fault tolerance a process may end without it: mpirun then reports each process's
+    own exit status. mpi4py reads this option when mpi4py.MPI is first imported, so
+    it only takes effect when ringsync is imported first. A replacement rank started by
+    Spawn is a job of its own, which must finalize: it does (its job lost nobody)."""
+    from . import bootstrap
+    if (bootstrap.fault_tolerant() and "mpi4py.MPI" not in sys.modules
+            and not bootstrap.spawned_by_mpi()):
+        try:
+            import mpi4py
+        except ImportError:
+            return
+        mpi4py.rc.finalize = False
+
+
+_skip_mpi_finalize_under_fault_tolerance()
+
+
 def init(comm=None):
     """Build the ring over `comm` (an mpi4py intracommunicator; MPI.COMM_WORLD by default).
     Calling it again while initialised does nothing. In a replacement rank started by

@@ -119,6 +119,12 @@ def fault_tolerant(environ=os.environ) -> bool:
     return any(flag.lower() in ("1", "true", "yes") for flag in flags)
 
 
+def spawned_by_mpi(environ=os.environ) -> bool:
+    """Whether MPI_Comm_spawn started this process (Open MPI tells it where its parent
+    listens), known before MPI is initialised."""
+    return "OMPI_PARENT_PORT" in environ
+
+
 def exit_as_failed(code: int = 1) -> None:
     """End this process at once so that its peers see a failed rank. Under fault
     tolerance that takes a signal (an exit status, even non-zero, reads as an orderly

@@ -191,6 +191,13 @@ def _end_job(text: str) -> None:
     os._exit(1)
 
 
+def _warn_if_mpi_finalize_will_run():
+    import mpi4py
+    if mpi4py.rc.finalize is not False:
+        _log("mpi4py was imported before ringsync, so MPI_Finalize runs at exit, and after a "
+             "lost rank Open MPI's can hang there: import ringsync before mpi4py.MPI")
+
+
 class _Recovery:
     """One run() call's recoveries: how many there were, and the size to restore."""
 
@@ -225,6 +232,7 @@ class _Recovery:
                      "recovering again")
                 if _rs._default is not None:
                     _rs._default.abort("recovering again")
+        _warn_if_mpi_finalize_will_run()
         if _rs.rank() == 0:
             _log(f"lost rank(s) {lost} of {old_size}; {_rs.size() - spawned} survivors"
                  + (f" + {spawned} replacement(s)" if spawned else "")

@@ -4,13 +4,15 @@
 
     @hvd.elastic.run
     def train(state):
-        for state.epoch in range(state.epoch, epochs):
-            state.sampler.set_epoch(state.epoch)
+        while state.epoch < epochs:
             for batch_idx, (x, y) in enumerate(loader):  # what is left of the epoch
                 ...
                 state.sampler.record_batch(batch_idx, batch_size)
                 if batch_idx % 10 == 9:
                     state.commit()
+            state.epoch += 1
+            state.sampler.set_epoch(state.epoch)
+            state.commit()
 """
 import copy
 import math

@@ -149,3 +149,14 @@ def test_keras_state_after_a_kill(tmp_path):
         assert r["params"] == records[0]["params"], "weights differ between survivors"
         assert r["error"] < 1e-5, r["error"]  # float32, against one process replaying
         assert r["sizes"][:4] == [3] * 4 and set(r["sizes"][4:]) == {2}, r["sizes"]
+
+
+def test_elastic_torch_example_survives_a_kill():
+    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "elastic_torch.py")
+    result = run_mpi(os.path.abspath(example), np=3, timeout=300, mpirun_args=ULFM,
+                     args=("--kill", "1:20", "--check", "--epochs", "8"))
+    assert not result.timed_out and not result.leftover_pids, result.report()
+    assert result.returncode == 0, result.report()
+    assert result.outcomes == {0: "ok", 1: "missing", 2: "ok"}, result.report()
+    assert "lost rank(s) [1] of 3; 2 survivors = 2 ranks" in result.output
+    assert "test accuracy on 2 ranks" in result.output
