@@ -265,4 +265,4 @@ __all__ = [
 ]
 
 
-from . import elastic  # noqa: E402  (needs broadcast_variables, defined above)
+from . import elastic  # noqa: E402,F401  (hvd.elastic; needs broadcast_variables above)
