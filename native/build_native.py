@@ -10,7 +10,7 @@ from cffi import FFI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 INCLUDE = os.path.join(HERE, "include")
-SOURCES = ["comm.c", "transport_tcp.c", "reduce.c", "algorithms.c", "negotiate.c", "execute.c",
+SOURCES = ["comm.c", "transport_tcp.c", "transport_shm.c", "reduce.c", "algorithms.c", "negotiate.c", "execute.c",
            "timeline.c", "engine.c"]
 
 
@@ -31,7 +31,7 @@ ffibuilder.set_source(
     sources=[os.path.relpath(os.path.join(HERE, "src", s)) for s in SOURCES],
     include_dirs=[os.path.relpath(INCLUDE)],
     extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
-    libraries=["m", "pthread"],
+    libraries=["m", "pthread", "rt"],  # rt: shm_open on glibc before 2.34
 )
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ _STATUS_ERRORS = {
     lib.RS_ERR_TIMEOUT: CommunicationTimeout,
     lib.RS_ERR_SYSTEM: CommunicationError,
 }
+_TRANSPORT_MODES = {"auto": lib.RS_TRANSPORT_AUTO, "tcp": lib.RS_TRANSPORT_TCP,
+                    "shm": lib.RS_TRANSPORT_SHM}
 _WAIT_SLICE_SECONDS = 0.2  # waits return this often so that Ctrl-C gets through
 
 
@@ -134,7 +136,12 @@ class Communicator:
 
     def _open_listener(self):
         """(this rank's PeerInfo, an error or None, whether it listens on all interfaces)."""
-        me = bootstrap.PeerInfo(socket.gethostname(), "", 0, bootstrap.new_token())
+        me = bootstrap.PeerInfo(self.config.host_name or socket.gethostname(), "", 0,
+                                bootstrap.new_token())
+        mode = _TRANSPORT_MODES.get(self.config.transport.lower())
+        if mode is None:
+            return me, ("usage", f"rank {self._rank}: RINGSYNC_TRANSPORT="
+                        f"{self.config.transport!r} is not one of {', '.join(_TRANSPORT_MODES)}"), False
         try:
             bind_host, advertised = bootstrap.listen_addresses(self.config.iface)
         except UsageError as e:
@@ -143,6 +150,8 @@ class Communicator:
         status = lib.rs_comm_create(self._rank, self._size, bind_host.encode(),
                                     self.config.timeout_seconds, cptr, port)
         self._c = cptr[0]
+        if status == lib.RS_OK:
+            status = lib.rs_comm_set_transport(self._c, mode)
         me = dataclasses.replace(me, address=advertised, port=port[0])
         return me, self._error_text(status, "creating the ring"), bind_host == ""
 
@@ -218,6 +227,11 @@ class Communicator:
             return
         lib.rs_engine_abort(self._engine, reason.encode())
         self._destroy_native()
+
+    @property
+    def transport(self) -> str:
+        """"shm" when same-host peers are reached through shared memory, else "tcp"."""
+        return ffi.string(lib.rs_comm_transport_name(self._c)).decode() if self._c else "closed"
 
     @property
     def mpi_comm(self):

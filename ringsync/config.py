@@ -23,6 +23,12 @@ class Config:
     cache_capacity: int = 4096
     # RINGSYNC_TIMELINE: write a Chrome-trace timeline to this file
     timeline: Optional[str] = None
+    # RINGSYNC_TRANSPORT: auto (shared memory with same-host peers, TCP with others),
+    # tcp, or shm (every peer must be on this host)
+    transport: str = "auto"
+    # RINGSYNC_HOST_NAME: the host name this rank reports; ranks reporting the same name
+    # count as one host (local_rank, shared memory). Default: the machine's host name
+    host_name: Optional[str] = None
     # RINGSYNC_ELASTIC_MIN_NP: fewest ranks an elastic job goes on with after a failure
     elastic_min_np: int = 1
     # RINGSYNC_ELASTIC_MAX_NP: most ranks an elastic job may have (0: no limit)

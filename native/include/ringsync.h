@@ -58,6 +58,13 @@ rs_status_t rs_comm_create(int rank, int size, const char *bind_host, double tim
  * stray connection is rejected. */
 rs_status_t rs_comm_connect(rs_comm_t *comm, const char **hosts, const int *ports,
                             const char **host_names, uint64_t token);
+/* Which transport rs_comm_connect sets up: shared memory with same-host peers and TCP
+ * with the others (AUTO, the default), TCP only, or shared memory only (every peer must
+ * be on this host). Call before rs_comm_connect. */
+typedef enum { RS_TRANSPORT_AUTO = 0, RS_TRANSPORT_TCP = 1, RS_TRANSPORT_SHM = 2 } rs_transport_mode_t;
+rs_status_t rs_comm_set_transport(rs_comm_t *comm, int mode);
+/* The transport in use after connect: "tcp" or "shm" (shm with same-host peers). */
+const char *rs_comm_transport_name(const rs_comm_t *comm);
 /* Break every connection now (peers see the failure); the communicator stays allocated. */
 rs_status_t rs_comm_abort(rs_comm_t *comm);
 void rs_comm_destroy(rs_comm_t *comm);

@@ -73,8 +73,20 @@ rs_status_t rs_comm_connect(rs_comm_t *comm, const char **hosts, const int *port
         if (!comm->host_names[i])
             return rs_fail(comm, RS_ERR_NOMEM, "out of memory");
     }
-    return comm->transport->connect(comm, hosts, ports, token);
+    RS_CHECK(comm->transport->connect(comm, hosts, ports, token));
+    if (comm->transport_mode == RS_TRANSPORT_TCP || comm->size == 1)
+        return RS_OK;
+    return rs_shm_setup(comm, token, comm->transport_mode == RS_TRANSPORT_SHM);
 }
+
+rs_status_t rs_comm_set_transport(rs_comm_t *comm, int mode) {
+    if (mode != RS_TRANSPORT_AUTO && mode != RS_TRANSPORT_TCP && mode != RS_TRANSPORT_SHM)
+        return rs_fail(comm, RS_ERR_USAGE, "unknown transport mode %d", mode);
+    comm->transport_mode = mode;
+    return RS_OK;
+}
+
+const char *rs_comm_transport_name(const rs_comm_t *comm) { return comm->transport->name; }
 
 rs_status_t rs_comm_abort(rs_comm_t *comm) {
     if (comm->transport_state)

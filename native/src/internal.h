@@ -47,6 +47,12 @@ typedef struct rs_transport {
 } rs_transport_t;
 
 extern const rs_transport_t rs_tcp_transport;
+/* Same-host peers through shared memory, the others through TCP (transport_shm.c). */
+extern const rs_transport_t rs_shm_transport;
+struct rs_shm;
+/* After TCP has connected: map shared memory with the same-host peers and switch to the
+ * shm transport (required: every peer must be on this host). */
+rs_status_t rs_shm_setup(rs_comm_t *comm, uint64_t token, int required);
 
 struct rs_comm {
     int rank;
@@ -61,6 +67,8 @@ struct rs_comm {
     size_t scratch_bytes;
     int wake_fd; /* an engine's self-pipe, polled while idle (-1: none) */
     int engine_attached;
+    int transport_mode;  /* RS_TRANSPORT_*: what rs_comm_connect sets up */
+    struct rs_shm *shm;  /* the shared-memory rings, or NULL */
 };
 
 /* Record an error in words; recoverable kinds also mark the communicator broken. */

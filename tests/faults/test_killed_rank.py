@@ -11,8 +11,14 @@ from ringsync.testing import run_mpi
 pytestmark = pytest.mark.requires_mpirun
 
 
+def shared_memory_segments():
+    return {p for p in os.listdir("/dev/shm") if p.startswith("ringsync-")} \
+        if os.path.isdir("/dev/shm") else set()
+
+
 @pytest.mark.parametrize("victim", [0, 2])
 def test_survivors_name_the_killed_rank(victim, tmp_path):
+    segments_before = shared_memory_segments()
     marker = f"ringsync-kill-test-{os.getpid()}-{victim}"
     result = run_mpi("tests.mpi.bodies:killed_peer_fails_the_others", np=4, timeout=90,
                      args=(marker,), mpirun_args=("--with-ft", "ulfm"),
@@ -27,6 +33,8 @@ def test_survivors_name_the_killed_rank(victim, tmp_path):
         assert f"connection to rank {victim} (host" in message, message
     leftover = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
     assert not leftover.strip(), f"processes left running: {leftover}"
+    # Segments are unlinked once mapped: a killed rank leaves none behind.
+    assert shared_memory_segments() <= segments_before
 
 
 def test_plain_mpirun_ends_the_job_when_a_rank_is_killed(tmp_path):

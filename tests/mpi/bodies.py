@@ -311,3 +311,35 @@ def allreduce_over_routable_address():
     assert_reduced(rs.allreduce(inputs[rs.rank()], op=rs.Sum), inputs, "Sum",
                    what=f"allreduce over {address}")
     rs.shutdown()
+
+
+def mixed_transports():
+    """The first half of the ranks report host 'node-a', the rest 'node-b': same-"host"
+    ranks use shared memory, the two halves TCP, and every collective gives the same
+    results as on one transport."""
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    half = (world.size + 1) // 2
+    os.environ["RINGSYNC_HOST_NAME"] = "node-a" if world.rank < half else "node-b"
+    os.environ["RINGSYNC_TRANSPORT"] = "auto"
+    rs.init()
+    local = half if world.rank < half else world.size - half
+    assert rs.local_size() == local
+    assert rs.cross_size() == (2 if rs.local_rank() < world.size - half else 1)
+    assert rs._default.transport == ("shm" if local > 1 else "tcp"), rs._default.transport
+    rs.shutdown()
+    for body in (allreduce_all, allgather_all, broadcast_all, reducescatter_all, alltoall_all):
+        body()  # each starts with init() (same settings) and ends with shutdown()
+
+
+def forced_shm_needs_one_host():
+    """RINGSYNC_TRANSPORT=shm with ranks on two "hosts" fails on every rank, naming them."""
+    from mpi4py import MPI
+    os.environ["RINGSYNC_HOST_NAME"] = f"node-{MPI.COMM_WORLD.rank % 2}"
+    os.environ["RINGSYNC_TRANSPORT"] = "shm"
+    try:
+        rs.init()
+    except rs.RingsyncError as e:
+        assert "RINGSYNC_TRANSPORT=shm, but rank" in str(e), str(e)
+    else:
+        raise AssertionError("init() accepted shm across hosts")
