@@ -76,6 +76,7 @@ def worker(args):
                                args.seconds, comm)
         rows.append({"size": size, "ringsync": rs_time, "mpi": mpi_time})
     engine = engine_figures(rs, comm, args.seconds)
+    engine.update(waiting_cpu(rs, comm))
     if rs.rank() == 0:
         with open(args.worker, "w") as f:
             json.dump({"np": rs.size(), "rows": rows, "engine": engine}, f)
@@ -113,6 +114,29 @@ def engine_figures(rs, comm, seconds):
     }
 
 
+WAIT_SECONDS = 2.0
+
+
+def waiting_cpu(rs, comm) -> dict:
+    """CPU used by rank 0 (all its threads) while it waits WAIT_SECONDS in an allreduce
+    for the last rank, as a fraction of one core: ringsync's and MPI's."""
+    import numpy as np
+
+    MPI = _mpi()
+    buf = np.ones(1024, np.float32)
+    figures = {}
+    for library, call in (("ringsync", lambda: rs.allreduce_(buf, op=rs.Sum, name="bench.wait")),
+                          ("mpi", lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM))):
+        comm.Barrier()
+        if rs.rank() == rs.size() - 1:
+            time.sleep(WAIT_SECONDS)
+        cpu, wall = time.process_time(), time.perf_counter()
+        call()
+        figures[f"{library}_wait_cpu"] = ((time.process_time() - cpu)
+                                          / (time.perf_counter() - wall))
+    return figures
+
+
 def run_job(np_: int, args) -> dict:
     from ringsync import launcher
 
@@ -147,6 +171,8 @@ def print_engine(result: dict) -> None:
           f"{e['concatenated'] * 1e6:.1f} us; ratio {e['fused'] / e['concatenated']:.2f}")
     print(f"  4-byte synchronous allreduce: ringsync {e['latency'] * 1e6:.1f} us, MPI "
           f"{e['mpi_latency'] * 1e6:.1f} us; ringsync/MPI {e['latency'] / e['mpi_latency']:.2f}")
+    print(f"  rank 0 waiting {WAIT_SECONDS:g} s in an allreduce for a late rank uses "
+          f"{e['ringsync_wait_cpu'] * 100:.1f}% of a core (MPI: {e['mpi_wait_cpu'] * 100:.1f}%)")
 
 
 def main(argv=None):
