@@ -26,6 +26,9 @@ class Config:
     # RINGSYNC_TRANSPORT: auto (shared memory with same-host peers, TCP with others),
     # tcp, or shm (every peer must be on this host)
     transport: str = "auto"
+    # RINGSYNC_SPIN_US: how long a wait on a same-host peer spins before it blocks; -1:
+    # 20 us where the host has two cores per local rank (its thread and the engine's), else 0
+    spin_us: float = -1.0
     # RINGSYNC_HOST_NAME: the host name this rank reports; ranks reporting the same name
     # count as one host (local_rank, shared memory). Default: the machine's host name
     host_name: Optional[str] = None

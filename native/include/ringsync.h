@@ -63,6 +63,9 @@ rs_status_t rs_comm_connect(rs_comm_t *comm, const char **hosts, const int *port
  * be on this host). Call before rs_comm_connect. */
 typedef enum { RS_TRANSPORT_AUTO = 0, RS_TRANSPORT_TCP = 1, RS_TRANSPORT_SHM = 2 } rs_transport_mode_t;
 rs_status_t rs_comm_set_transport(rs_comm_t *comm, int mode);
+/* How long a wait on a same-host peer spins before it blocks (0: block at once). Spinning
+ * saves a wake-up when the peer answers within that time, and costs a core meanwhile. */
+rs_status_t rs_comm_set_spin(rs_comm_t *comm, double seconds);
 /* The transport in use after connect: "tcp" or "shm" (shm with same-host peers). */
 const char *rs_comm_transport_name(const rs_comm_t *comm);
 /* Break every connection now (peers see the failure); the communicator stays allocated. */

@@ -86,6 +86,13 @@ rs_status_t rs_comm_set_transport(rs_comm_t *comm, int mode) {
     return RS_OK;
 }
 
+rs_status_t rs_comm_set_spin(rs_comm_t *comm, double seconds) {
+    if (!(seconds >= 0 && seconds <= 1))
+        return rs_fail(comm, RS_ERR_USAGE, "spin time %g s is not between 0 and 1 s", seconds);
+    comm->spin_seconds = seconds;
+    return RS_OK;
+}
+
 const char *rs_comm_transport_name(const rs_comm_t *comm) { return comm->transport->name; }
 
 rs_status_t rs_comm_abort(rs_comm_t *comm) {

@@ -69,6 +69,7 @@ struct rs_comm {
     int engine_attached;
     int transport_mode;  /* RS_TRANSPORT_*: what rs_comm_connect sets up */
     struct rs_shm *shm;  /* the shared-memory rings, or NULL */
+    double spin_seconds; /* how long a shared-memory wait spins before it blocks */
 };
 
 /* Record an error in words; recoverable kinds also mark the communicator broken. */

@@ -5,7 +5,7 @@
  * its same-host peers' segments to send to them. The TCP connections stay, for peers on
  * other hosts and for everything that needs the kernel: noticing a peer's death (hangup)
  * or abort (urgent byte), and waking a rank that sleeps. A waiting rank spins on the ring
- * for a few microseconds, then raises a "sleeping" flag and blocks in poll() on the
+ * for a few microseconds (rs_comm_set_spin), then raises a "sleeping" flag and blocks in poll() on the
  * peer's socket; the peer, after moving bytes, sends one doorbell byte only when it sees
  * that flag. So a busy exchange makes no system calls and an idle rank uses no CPU.
  *
@@ -26,7 +26,6 @@
 #include "internal.h"
 
 #define RING_BYTES ((uint64_t)1 << 21) /* per sending peer: 2 MiB */
-#define SPIN_SECONDS 20e-6             /* spin this long before blocking */
 #define DOORBELL 'D'
 
 typedef struct {
@@ -287,7 +286,7 @@ static rs_status_t shm_poll(rs_comm_t *comm, rs_wait_t *waits, int n, int timeou
     *lost_peer = -1;
     for (int k = 0; k < n; k++)
         waits[k].ready = 0;
-    double spin_until = rs_now() + SPIN_SECONDS;
+    double spin_until = rs_now() + comm->spin_seconds;
     do {
         if (mark_shm_ready(comm, waits, n, 0))
             return RS_OK;
