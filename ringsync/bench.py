@@ -1,11 +1,14 @@
-"""Allreduce benchmark: ringsync against mpi4py's Allreduce, measured in the same run.
+"""Allreduce benchmark: ringsync against mpi4py's Allreduce (Open MPI) and, where torch is
+installed, torch.distributed on gloo, measured in the same run.
 
     python -m ringsync.bench [--np 2 4] [--min-size 4K] [--max-size 64M] [--seconds 0.3]
+                             [--plot busbw.png]
 
 The driver starts one mpirun job per rank count; in each job every size is timed for
-ringsync and for MPI alternately on the same buffer, and the table shows time per call,
-bus bandwidth (size * 2(N-1)/N / time) and the ratio (MPI time / ringsync time: above 1
-means ringsync is faster). This is a benchmark, not a test: nothing here asserts on time.
+ringsync, MPI and gloo in turn on the same buffer, and the table shows time per call,
+bus bandwidth (size * 2(N-1)/N / time) and the ratios (their time / ringsync's time: above
+1 means ringsync is faster). --plot draws bus bandwidth against size (needs matplotlib).
+This is a benchmark, not a test: nothing here asserts on time.
 """
 import argparse
 import json
@@ -68,19 +71,42 @@ def worker(args):
     MPI = _mpi()
     comm = MPI.COMM_WORLD
     rs.init()
+    gloo = _gloo_allreduce(comm)
     rows = []
     for size in sizes_between(args.min_size, args.max_size):
         buf = np.full(size // 4, rs.rank() + 1.0, dtype=np.float32)
         rs_time = _time_calls(lambda: rs.allreduce_(buf, op=rs.Sum), args.seconds, comm)
         mpi_time = _time_calls(lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM),
                                args.seconds, comm)
-        rows.append({"size": size, "ringsync": rs_time, "mpi": mpi_time})
+        gloo_time = _time_calls(lambda: gloo(buf), args.seconds, comm) if gloo else None
+        rows.append({"size": size, "ringsync": rs_time, "mpi": mpi_time, "gloo": gloo_time})
     engine = engine_figures(rs, comm, args.seconds)
     engine.update(waiting_cpu(rs, comm))
     if rs.rank() == 0:
         with open(args.worker, "w") as f:
             json.dump({"np": rs.size(), "rows": rows, "engine": engine}, f)
     rs.shutdown()
+    if gloo:
+        import torch.distributed as dist
+        dist.destroy_process_group()
+
+
+def _gloo_allreduce(comm):
+    """torch.distributed's allreduce on gloo over loopback, on a numpy buffer (shared with
+    a tensor, no copy); None without torch. Rank 0 picks the rendezvous port."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = comm.bcast(s.getsockname()[1] if comm.rank == 0 else None, root=0)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank,
+                            world_size=comm.size)
+    return lambda buf: dist.all_reduce(torch.from_numpy(buf))
 
 
 FUSED_TENSORS = 200
@@ -152,16 +178,58 @@ def run_job(np_: int, args) -> dict:
             return json.load(f)
 
 
+def bus_factor(n: int) -> float:
+    return 2 * (n - 1) / n if n > 1 else 1.0
+
+
 def print_table(result: dict) -> None:
     n = result["np"]
-    factor = 2 * (n - 1) / n if n > 1 else 1.0
+    factor = bus_factor(n)
+    has_gloo = result["rows"][0].get("gloo") is not None
     print(f"\n{n} ranks: allreduce of float32, sum, in place")
-    print(f"{'size':>9} | {'ringsync us':>11} {'GB/s':>7} | {'MPI us':>10} {'GB/s':>7} | "
-          f"{'MPI/ringsync':>12}")
+    header = (f"{'size':>9} | {'ringsync us':>11} {'GB/s':>6} | {'MPI us':>9} {'GB/s':>6} | "
+              + (f"{'gloo us':>9} {'GB/s':>6} | " if has_gloo else "")
+              + f"{'MPI/ringsync':>12}" + (f" {'gloo/ringsync':>13}" if has_gloo else ""))
+    print(header)
     for row in result["rows"]:
         rs_t, mpi_t, size = row["ringsync"], row["mpi"], row["size"]
-        print(f"{human(size):>9} | {rs_t * 1e6:11.1f} {size * factor / rs_t / 1e9:7.2f} | "
-              f"{mpi_t * 1e6:10.1f} {size * factor / mpi_t / 1e9:7.2f} | {mpi_t / rs_t:12.2f}")
+        line = (f"{human(size):>9} | {rs_t * 1e6:11.1f} {size * factor / rs_t / 1e9:6.2f} | "
+                f"{mpi_t * 1e6:9.1f} {size * factor / mpi_t / 1e9:6.2f} | ")
+        if has_gloo:
+            g = row["gloo"]
+            line += f"{g * 1e6:9.1f} {size * factor / g / 1e9:6.2f} | "
+        line += f"{mpi_t / rs_t:12.2f}" + (f" {row['gloo'] / rs_t:13.2f}" if has_gloo else "")
+        print(line)
+
+
+def plot(results, path: str) -> None:
+    """Bus bandwidth against size, one panel per rank count, one line per library."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib") from None
+    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
+    for ax, result in zip(axes[0], results):
+        factor = bus_factor(result["np"])
+        sizes = [row["size"] for row in result["rows"]]
+        for key, label in (("ringsync", "ringsync"), ("mpi", "Open MPI (mpi4py)"),
+                           ("gloo", "torch gloo")):
+            if result["rows"][0].get(key) is None:
+                continue
+            ax.plot(sizes, [row["size"] * factor / row[key] / 1e9 for row in result["rows"]],
+                    marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [human(x) for x in sizes], rotation=45)
+        ax.set_xlabel("message size")
+        ax.set_ylabel("bus bandwidth (GB/s)")
+        ax.set_title(f"allreduce, {result['np']} ranks on one host")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"\nplot written to {path}")
 
 
 def print_engine(result: dict) -> None:
@@ -183,15 +251,20 @@ def main(argv=None):
     parser.add_argument("--max-size", type=parse_size, default=64 << 20)
     parser.add_argument("--seconds", type=float, default=0.3,
                         help="time to spend per size and library (default 0.3)")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="draw bus bandwidth against size for the three (needs matplotlib)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args)
     print("Bus bandwidth = size * 2(N-1)/N / time; ratio above 1: ringsync is faster.")
+    results = []
     for np_ in args.np:
-        result = run_job(np_, args)
-        print_table(result)
-        print_engine(result)
+        results.append(run_job(np_, args))
+        print_table(results[-1])
+        print_engine(results[-1])
+    if args.plot:
+        plot(results, args.plot)
     return 0
 
 
