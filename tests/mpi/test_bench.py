@@ -1,0 +1,16 @@
+"""The benchmark tool runs end to end and reports every library it compares (no figure is
+checked: speed is never asserted in tests)."""
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.requires_mpirun
+
+
+def test_bench_reports_ringsync_mpi_gloo_and_waiting_cpu():
+    out = subprocess.run([sys.executable, "-m", "ringsync.bench", "--np", "2", "--max-size", "4K",
+                          "--seconds", "0.05"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "gloo/ringsync" in out.stdout and "MPI/ringsync" in out.stdout, out.stdout
+    assert "4 KiB |" in out.stdout and "% of a core (MPI:" in out.stdout, out.stdout
