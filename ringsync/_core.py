@@ -135,6 +135,7 @@ class Communicator:
         self.topology = bootstrap.topology(self.host_names, self._rank)
         self._connect_ring(infos, me.host_name, bound_all)
         lib.rs_comm_set_spin(self._c, self._spin_seconds())
+        lib.rs_comm_set_small_allreduce(self._c, self.config.small_allreduce_bytes)
 
     def _spin_seconds(self) -> float:
         """Spinning pays only where the ranks' threads need not share cores: on 2 cores

@@ -29,6 +29,9 @@ class Config:
     # RINGSYNC_SPIN_US: how long a wait on a same-host peer spins before it blocks; -1:
     # 20 us where the host has two cores per local rank (its thread and the engine's), else 0
     spin_us: float = -1.0
+    # RINGSYNC_SMALL_ALLREDUCE_BYTES: allreduces up to this size exchange whole buffers in
+    # one round instead of running the ring (0: always the ring)
+    small_allreduce_bytes: int = 16 << 10
     # RINGSYNC_HOST_NAME: the host name this rank reports; ranks reporting the same name
     # count as one host (local_rank, shared memory). Default: the machine's host name
     host_name: Optional[str] = None

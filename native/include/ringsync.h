@@ -66,6 +66,9 @@ rs_status_t rs_comm_set_transport(rs_comm_t *comm, int mode);
 /* How long a wait on a same-host peer spins before it blocks (0: block at once). Spinning
  * saves a wake-up when the peer answers within that time, and costs a core meanwhile. */
 rs_status_t rs_comm_set_spin(rs_comm_t *comm, double seconds);
+/* Allreduces of at most `bytes` send every rank's whole buffer to every peer in one round
+ * (latency: one exchange) instead of the ring (2(N-1) exchanges); 0 always uses the ring. */
+rs_status_t rs_comm_set_small_allreduce(rs_comm_t *comm, size_t bytes);
 /* The transport in use after connect: "tcp" or "shm" (shm with same-host peers). */
 const char *rs_comm_transport_name(const rs_comm_t *comm);
 /* Break every connection now (peers see the failure); the communicator stays allocated. */

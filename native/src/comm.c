@@ -93,6 +93,11 @@ rs_status_t rs_comm_set_spin(rs_comm_t *comm, double seconds) {
     return RS_OK;
 }
 
+rs_status_t rs_comm_set_small_allreduce(rs_comm_t *comm, size_t bytes) {
+    comm->small_allreduce_bytes = bytes;
+    return RS_OK;
+}
+
 const char *rs_comm_transport_name(const rs_comm_t *comm) { return comm->transport->name; }
 
 rs_status_t rs_comm_abort(rs_comm_t *comm) {

@@ -70,6 +70,7 @@ struct rs_comm {
     int transport_mode;  /* RS_TRANSPORT_*: what rs_comm_connect sets up */
     struct rs_shm *shm;  /* the shared-memory rings, or NULL */
     double spin_seconds; /* how long a shared-memory wait spins before it blocks */
+    size_t small_allreduce_bytes; /* up to this size, allreduce exchanges whole buffers */
 };
 
 /* Record an error in words; recoverable kinds also mark the communicator broken. */
