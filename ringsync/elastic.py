@@ -21,6 +21,7 @@ rank 0, and calls the training function again. rank() and size() report the new 
 """
 import copy
 import functools
+import os
 import sys
 import time
 from typing import Callable, Iterable, List
@@ -187,7 +188,6 @@ def _end_job(text: str) -> None:
     """An orderly end with a non-zero status, which mpirun takes as the end of the job."""
     _log(text)
     sys.stdout.flush()
-    import os
     os._exit(1)
 
 

@@ -73,14 +73,17 @@ static rs_status_t map_segment(rs_comm_t *comm, const char *name, int create, si
     int fd = shm_open(name, create ? O_CREAT | O_EXCL | O_RDWR : O_RDWR, 0600);
     if (fd < 0)
         return sys_fail(comm, create ? "cannot create" : "cannot open", name);
-    if (create && ftruncate(fd, (off_t)bytes) != 0) {
-        close(fd);
-        return sys_fail(comm, "cannot size", name);
-    }
-    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    void *p = MAP_FAILED;
+    if (!create || ftruncate(fd, (off_t)bytes) == 0)
+        p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    int saved = errno;
     close(fd);
-    if (p == MAP_FAILED)
-        return sys_fail(comm, "cannot map", name);
+    if (p == MAP_FAILED) {
+        if (create)
+            shm_unlink(name); /* created here, never to be used */
+        errno = saved;
+        return sys_fail(comm, "cannot size or map", name);
+    }
     *out = p;
     return RS_OK;
 }
@@ -111,7 +114,7 @@ static void shm_release(rs_comm_t *comm) {
     struct rs_shm *shm = comm->shm;
     if (!shm)
         return;
-    if (!shm->unlinked && shm->name[0])
+    if (shm->mine && !shm->unlinked) /* ours only: a failed O_EXCL create is someone else's */
         shm_unlink(shm->name);
     for (int p = 0; shm->theirs && p < comm->size; p++)
         if (shm->theirs[p])
@@ -141,15 +144,19 @@ static rs_status_t map_peers(rs_comm_t *comm, uint64_t token) {
     return RS_OK;
 }
 
+static int same_host(const rs_comm_t *comm, int peer) {
+    return peer != comm->rank &&
+           strcmp(rs_peer_host(comm, peer), rs_peer_host(comm, comm->rank)) == 0;
+}
+
 rs_status_t rs_shm_setup(rs_comm_t *comm, uint64_t token, int required) {
     int any = 0;
     for (int p = 0; p < comm->size; p++) {
-        int same = p != comm->rank && strcmp(rs_peer_host(comm, p), rs_peer_host(comm, comm->rank)) == 0;
-        if (!same && p != comm->rank && required)
+        if (required && p != comm->rank && !same_host(comm, p))
             return rs_fail(comm, RS_ERR_USAGE, "RINGSYNC_TRANSPORT=shm, but rank %d is on host "
                            "%s, not on %s with rank %d", p, rs_peer_host(comm, p),
                            rs_peer_host(comm, comm->rank), comm->rank);
-        any |= same;
+        any |= same_host(comm, p);
     }
     if (!any)
         return RS_OK;
@@ -164,8 +171,7 @@ rs_status_t rs_shm_setup(rs_comm_t *comm, uint64_t token, int required) {
         return rs_fail(comm, RS_ERR_NOMEM, "out of memory");
     }
     for (int p = 0; p < comm->size; p++)
-        shm->local[p] = p != comm->rank &&
-                        strcmp(rs_peer_host(comm, p), rs_peer_host(comm, comm->rank)) == 0;
+        shm->local[p] = (unsigned char)same_host(comm, p);
     /* Rings are indexed by sending rank; pages of unused ones are never touched. */
     shm->segment_bytes = (size_t)comm->size * sizeof(ring_t);
     segment_name(shm->name, sizeof shm->name, token, comm->rank);
@@ -190,7 +196,9 @@ static void ring_doorbell(rs_comm_t *comm, int peer, int *sleeping) {
         __atomic_store_n(sleeping, 0, __ATOMIC_RELAXED);
         char bell = DOORBELL;
         size_t done = 0;
-        rs_tcp_transport.send(comm, peer, &bell, 1, &done); /* full socket: a bell is queued */
+        /* Unchecked on purpose: a full socket already holds a bell, and a broken one is
+         * reported by the next poll or transfer on that peer. */
+        rs_tcp_transport.send(comm, peer, &bell, 1, &done);
     }
 }
 
