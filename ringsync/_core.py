@@ -48,6 +48,11 @@ def as_op(op, what: str) -> int:
                          f"{', '.join(o.name.title() for o in ReduceOp)}") from None
 
 
+def _cores() -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return cores or 1
+
+
 def even_split(n: int, parts: int) -> Sequence[int]:
     """n split into `parts` nearly equal parts, the first n % parts one larger."""
     return [n // parts + (i < n % parts) for i in range(parts)]
@@ -90,6 +95,20 @@ class _Request:
     urgent: bool = False
 
 
+def _fill(s, r: _Request):
+    """Fill the native request struct s from r; returns what must stay alive meanwhile."""
+    s.kind, s.dtype, s.op, s.root = r.kind, r.dtype, r.op, r.root
+    s.prescale, s.postscale, s.urgent = r.prescale, r.postscale, r.urgent
+    s.ndim = r.src.ndim
+    s.shape[0:r.src.ndim] = r.src.shape
+    send = pointer(r.src)
+    recv = send if r.out is r.src else (pointer(r.out) if r.out is not None else ffi.NULL)
+    s.sendbuf, s.recvbuf = send, recv
+    if r.splits is not None:
+        s.splits = ffi.cast("int64_t *", pointer(r.splits))
+    return send, recv, r
+
+
 class Communicator:
     """A ring of ranks built over an mpi4py intracommunicator, with its engine.
 
@@ -113,6 +132,7 @@ class Communicator:
         self._rank, self._size = self._mpi.Get_rank(), self._mpi.Get_size()
         self._c = ffi.NULL
         self._engine = ffi.NULL
+        self._lane = False
         self._auto_names = itertools.count()
         try:
             self._connect()
@@ -143,8 +163,14 @@ class Communicator:
         allreduce and made training steps slower."""
         if self.config.spin_us >= 0:
             return min(self.config.spin_us, 1e6) * 1e-6
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        return 20e-6 if (cores or 1) >= 2 * self.topology.local_size else 0.0
+        return 20e-6 if _cores() >= 2 * self.topology.local_size else 0.0
+
+    def _lane_spin_seconds(self) -> float:
+        """The lane's waits run on the calling thread while the engine thread sleeps: one
+        busy thread per rank, so spinning pays where each local rank has a core."""
+        if self.config.lane_spin_us >= 0:
+            return min(self.config.lane_spin_us, 1e6) * 1e-6
+        return 50e-6 if _cores() >= self.topology.local_size else 0.0
 
     def _open_listener(self):
         """(this rank's PeerInfo, an error or None, whether it listens on all interfaces)."""
@@ -183,12 +209,16 @@ class Communicator:
             "cycle_time_ms": self.config.cycle_time_ms,
             "stall_check_seconds": self.config.stall_check_seconds,
             "cache_capacity": self.config.cache_capacity,
+            "lane_spin_seconds": self._lane_spin_seconds(),
+            "lane_max_bytes": self.config.lane_bytes,
+            "staged_min_bytes": self.config.staged_bytes,
         })
         eptr = ffi.new("rs_engine_t **")
         status = lib.rs_engine_create(self._c, cfg, eptr)
         if status != lib.RS_OK:
             raise CommunicationError(f"ringsync.init: {self._error_text(status, 'starting the engine')[1]}")
         self._engine = eptr[0]
+        self._lane = bool(lib.rs_engine_has_lane(self._engine))
         if self.config.timeline:
             self.start_timeline(self.config.timeline)
 
@@ -287,21 +317,17 @@ class Communicator:
         return str(name) if name is not None else f"{what}.noname.{next(self._auto_names)}"
 
     def _submit(self, requests: List[_Request], finish: Callable, what: str) -> Handle:
+        """Hand requests to the engine. A blocking call (one urgent request) tries the
+        same-host lane first, which runs small allreduces and barriers itself."""
+        if self._lane and len(requests) == 1 and requests[0].urgent and not self.closed:
+            if self._run_on_lane(requests[0], what):
+                handle = Handle(self, [], None, finish, what, [requests[0].name])
+                handle._result, handle._done = finish(), True
+                return handle
         n = len(requests)
         names = [ffi.new("char[]", r.name.encode()) for r in requests]
         structs = ffi.new("rs_request_t[]", n)
-        keep = [names]
-        for s, r in zip(structs, requests):
-            s.kind, s.dtype, s.op, s.root = r.kind, r.dtype, r.op, r.root
-            s.prescale, s.postscale, s.urgent = r.prescale, r.postscale, r.urgent
-            s.ndim = r.src.ndim
-            s.shape[0:r.src.ndim] = r.src.shape
-            send = pointer(r.src)
-            recv = send if r.out is r.src else (pointer(r.out) if r.out is not None else ffi.NULL)
-            s.sendbuf, s.recvbuf = send, recv
-            if r.splits is not None:
-                s.splits = ffi.cast("int64_t *", pointer(r.splits))
-            keep.append((send, recv, r))
+        keep = [names] + [_fill(s, r) for s, r in zip(structs, requests)]
         ids = ffi.new("int64_t[]", n)
         status = lib.rs_engine_submit(self._engine, ffi.new("const char *[]", names), structs, n, ids)
         if status != lib.RS_OK:
@@ -309,6 +335,21 @@ class Communicator:
             raise _STATUS_ERRORS.get(status, CommunicationError)(
                 f"ringsync.{what} failed on rank {self._rank}: {detail}")
         return Handle(self, list(ids), keep, finish, what, [r.name for r in requests])
+
+    def _run_on_lane(self, request: _Request, what: str) -> bool:
+        """Post a blocking call on the same-host lane (no engine thread, no negotiation):
+        True when the lane ran it; False when every rank found that the engine must (any
+        collective but a small allreduce or a barrier): it then runs there, while a
+        disagreement between ranks has already failed here."""
+        struct = ffi.new("rs_request_t *")
+        keep = _fill(struct, request)  # noqa: F841 (the pointers must outlive the call)
+        ran = ffi.new("int *")
+        status = lib.rs_engine_try_lane(self._engine, request.name.encode(), struct, ran)
+        if status != lib.RS_OK:
+            detail = ffi.string(lib.rs_engine_last_error(self._engine)).decode()
+            raise _STATUS_ERRORS.get(status, CommunicationError)(
+                f"ringsync.{what}{describe(request.name)} failed on rank {self._rank}: {detail}")
+        return bool(ran[0])
 
     def _request(self, what, kind, name, src, out, *, op=0, prescale=1.0, postscale=1.0,
                  root=0, splits=None, reduces=False, urgent=False) -> _Request:

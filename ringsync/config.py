@@ -29,6 +29,18 @@ class Config:
     # RINGSYNC_SPIN_US: how long a wait on a same-host peer spins before it blocks; -1:
     # 20 us where the host has two cores per local rank (its thread and the engine's), else 0
     spin_us: float = -1.0
+    # RINGSYNC_LANE_BYTES: blocking allreduces up to this size (at most 4 MiB) take the
+    # same-host lane when every rank is on one host: no engine thread, one exchange through
+    # shared memory (0: always the engine)
+    lane_bytes: int = 1 << 20
+    # RINGSYNC_STAGED_BYTES: with every rank on one host, the engine reduces allreduces of at
+    # least this size through the shared segments (each rank reduces a slice of every
+    # rank's data) instead of the ring (0: always the ring)
+    staged_bytes: int = 1 << 20
+    # RINGSYNC_LANE_SPIN_US: how long a wait on the same-host lane or in a staged allreduce
+    # spins for its peers before it sleeps; -1: 50 us where the host has a core per local
+    # rank, else 0
+    lane_spin_us: float = -1.0
     # RINGSYNC_SMALL_ALLREDUCE_BYTES: allreduces up to this size exchange whole buffers in
     # one round instead of running the ring (0: always the ring)
     small_allreduce_bytes: int = 16 << 10

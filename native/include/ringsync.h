@@ -152,6 +152,10 @@ typedef struct {
     double cycle_time_ms;           /* longest wait to gather more tensors into one fusion */
     double stall_check_seconds;     /* report tensors some ranks have not submitted */
     int cache_capacity;             /* negotiation cache entries */
+    double lane_spin_seconds;       /* same-host lane: spin this long before sleeping */
+    int64_t lane_max_bytes;         /* same-host lane: largest tensor (0: no lane; at most 1 MiB) */
+    int64_t staged_min_bytes;       /* every rank on this host: allreduces at least this large
+                                       reduce through shared memory, not the ring (0: never) */
 } rs_engine_config_t;
 
 rs_status_t rs_engine_create(rs_comm_t *comm, const rs_engine_config_t *config,
@@ -159,6 +163,19 @@ rs_status_t rs_engine_create(rs_comm_t *comm, const rs_engine_config_t *config,
 /* Submit n requests atomically (a group is fused as one unit); handles[i] receives each. */
 rs_status_t rs_engine_submit(rs_engine_t *engine, const char **names, const rs_request_t *requests,
                              int n, int64_t *handles);
+/* A blocking call on the same-host lane: when every rank is on this host, ranks post the
+ * call's header (name, kind, dtype, shape, op) in shared memory, and every rank checks them
+ * all: a disagreement fails here on every rank. A small allreduce (its data posted too,
+ * each rank reducing all posts in rank order) and a barrier then complete on the calling
+ * thread, without the engine thread or negotiation; *ran = 0 for the others, which every
+ * rank then submits to the engine. Blocking calls must come in the same order on every
+ * rank (as they must anyway: each waits for all ranks); a joined rank takes part in
+ * allreduces with zeros. Does nothing (*ran = 0) unless every rank is on this host, and
+ * for joins. */
+rs_status_t rs_engine_try_lane(rs_engine_t *engine, const char *name,
+                                    const rs_request_t *request, int *ran);
+/* Whether rs_engine_try_lane can run anything (every rank on this host). */
+int rs_engine_has_lane(rs_engine_t *engine);
 /* 1 when the handle has completed (successfully or not), 0 while pending, -1 if unknown. */
 int rs_engine_poll(rs_engine_t *engine, int64_t handle);
 /* Wait up to timeout_seconds; *done says whether it completed. Returns its status. */

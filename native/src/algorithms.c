@@ -74,8 +74,8 @@ static rs_status_t check_reduction_args(rs_comm_t *comm, rs_dtype_t dtype, rs_op
 }
 
 /* Post-scaling: Average divides by the rank count, then the user's factor applies. */
-static rs_status_t finish_scale(rs_comm_t *comm, void *buf, size_t count, rs_dtype_t dtype,
-                                rs_op_t op, double postscale) {
+rs_status_t rs_finish_scale(rs_comm_t *comm, void *buf, size_t count, rs_dtype_t dtype,
+                            rs_op_t op, double postscale) {
     double factor = postscale;
     if (op == RS_OP_AVERAGE && rs_dtype_is_integer(dtype))
         RS_CHECK(rs_divide_integers(buf, count, dtype, comm->size));
@@ -188,7 +188,7 @@ rs_status_t rs_allreduce(rs_comm_t *comm, const void *sendbuf, void *recvbuf, si
         free(b.bytes);
         RS_CHECK(st);
     }
-    return finish_scale(comm, recvbuf, count, dtype, op, postscale);
+    return rs_finish_scale(comm, recvbuf, count, dtype, op, postscale);
 }
 
 rs_status_t rs_reducescatter(rs_comm_t *comm, const void *sendbuf, void *recvbuf,
@@ -219,7 +219,7 @@ rs_status_t rs_reducescatter(rs_comm_t *comm, const void *sendbuf, void *recvbuf
     free(work);
     free(b.bytes);
     RS_CHECK(st);
-    return finish_scale(comm, recvbuf, my_bytes / elem, dtype, op, postscale);
+    return rs_finish_scale(comm, recvbuf, my_bytes / elem, dtype, op, postscale);
 }
 
 rs_status_t rs_allgatherv(rs_comm_t *comm, const void *sendbuf, void *recvbuf,

@@ -43,6 +43,8 @@ struct rs_engine {
     rs_negotiator_t negotiator;
     rs_executor_t executor;
     rs_timeline_t timeline;
+
+    rs_direct_t *direct; /* the same-host lane for blocking allreduces, or NULL */
 };
 
 /* ---- names for messages ---- */
@@ -433,6 +435,8 @@ static void engine_free(rs_engine_t *e) {
     rs_timeline_stop(&e->timeline);
     pthread_mutex_destroy(&e->timeline.mu);
     free(e->executor.fusion);
+    rs_direct_free(e->direct);
+    rs_direct_free(e->executor.staged);
     pthread_mutex_destroy(&e->mu);
     pthread_cond_destroy(&e->done_cv);
     free(e);
@@ -461,6 +465,13 @@ rs_status_t rs_engine_create(rs_comm_t *comm, const rs_engine_config_t *config,
         pipe2(e->wake, O_NONBLOCK | O_CLOEXEC) != 0) {
         engine_free(e);
         return rs_fail(comm, RS_ERR_SYSTEM, "cannot set up the engine");
+    }
+    if (config->lane_max_bytes > 0)
+        e->direct = rs_direct_create(comm, 0, config->lane_spin_seconds,
+                                     config->stall_check_seconds, (size_t)config->lane_max_bytes);
+    if (config->staged_min_bytes > 0) {
+        e->executor.staged = rs_direct_create(comm, 1, config->lane_spin_seconds, 0, 0);
+        e->executor.staged_min_bytes = (size_t)config->staged_min_bytes;
     }
     comm->wake_fd = e->wake[0];
     if (pthread_create(&e->thread, NULL, engine_main, e) != 0) {
@@ -534,21 +545,27 @@ static rs_status_t validate(rs_engine_t *e, const char *name, const rs_request_t
     return RS_OK;
 }
 
+static rs_meta_t meta_of(const rs_request_t *r) {
+    int reduces = r->kind == RS_KIND_ALLREDUCE || r->kind == RS_KIND_REDUCESCATTER;
+    rs_meta_t m = {0};
+    m.kind = r->kind;
+    m.dtype = r->kind == RS_KIND_BARRIER || r->kind == RS_KIND_JOIN ? 0 : r->dtype;
+    m.op = reduces ? r->op : 0; /* unused fields stay equal on every rank */
+    m.root = r->kind == RS_KIND_BROADCAST ? r->root : 0;
+    m.prescale = reduces ? r->prescale : 1.0;
+    m.postscale = reduces ? r->postscale : 1.0;
+    m.ndim = r->ndim;
+    memcpy(m.shape, r->shape, (size_t)r->ndim * sizeof(int64_t));
+    return m;
+}
+
 static rs_work_t *new_work(rs_engine_t *e, const char *name, const rs_request_t *r) {
     rs_work_t *w = calloc(1, sizeof *w);
     if (!w || !(w->name = strdup(name))) {
         free(w);
         return NULL;
     }
-    int reduces = r->kind == RS_KIND_ALLREDUCE || r->kind == RS_KIND_REDUCESCATTER;
-    w->meta.kind = r->kind;
-    w->meta.dtype = r->kind == RS_KIND_BARRIER || r->kind == RS_KIND_JOIN ? 0 : r->dtype;
-    w->meta.op = reduces ? r->op : 0; /* unused fields stay equal on every rank */
-    w->meta.root = r->kind == RS_KIND_BROADCAST ? r->root : 0;
-    w->meta.prescale = reduces ? r->prescale : 1.0;
-    w->meta.postscale = reduces ? r->postscale : 1.0;
-    w->meta.ndim = r->ndim;
-    memcpy(w->meta.shape, r->shape, (size_t)r->ndim * sizeof(int64_t));
+    w->meta = meta_of(r);
     w->sendbuf = r->sendbuf;
     w->recvbuf = r->recvbuf;
     w->urgent = r->urgent;
@@ -633,6 +650,58 @@ int rs_engine_poll(rs_engine_t *e, int64_t handle) {
     return done;
 }
 
+/* Under mu. A joined rank waits on the same-host lane instead of the condition variable:
+ * it takes part in the others' blocking allreduces with zeros until the join completes. */
+static void wait_joined(rs_engine_t *e, rs_work_t *w, double until) {
+    for (double now = rs_now(); !w->done && now < until; now = rs_now()) {
+        pthread_mutex_unlock(&e->mu);
+        rs_direct_serve_joined(e->direct, until - now < 0.005 ? until - now : 0.005);
+        pthread_mutex_lock(&e->mu);
+    }
+}
+
+int rs_engine_has_lane(rs_engine_t *e) { return e->direct != NULL; }
+
+/* A blocking call on the same-host lane (see direct.c). */
+rs_status_t rs_engine_try_lane(rs_engine_t *e, const char *name, const rs_request_t *r,
+                                    int *ran) {
+    *ran = 0;
+    if (!e->direct || r->kind == RS_KIND_JOIN)
+        return RS_OK;
+    pthread_mutex_lock(&e->mu);
+    rs_status_t st = validate_all(e, &name, r, 1);
+    pthread_mutex_unlock(&e->mu);
+    if (st != RS_OK) {
+        *ran = 1;
+        return st;
+    }
+    rs_meta_t meta = meta_of(r);
+    size_t count = r->kind == RS_KIND_BARRIER ? 0 : 1;
+    for (int d = 0; d < meta.ndim; d++)
+        count *= (size_t)meta.shape[d];
+    char error[RS_ERROR_LEN] = "";
+    double start = rs_now();
+    st = rs_direct_run(e->direct, name, &meta, count, r->sendbuf, r->recvbuf, &e->failure, ran,
+                       error, sizeof error);
+    if (*ran && e->timeline.file)
+        rs_timeline_span(&e->timeline, name, "LANE", start, rs_now());
+    if (st == RS_ERR_COMM || st == RS_ERR_TIMEOUT || st == RS_ERR_SYSTEM) {
+        if (error[0])
+            engine_fail(e, st, error); /* tells the peers too */
+        pthread_mutex_lock(&e->mu);
+        snprintf(e->last_error, sizeof e->last_error, "%s", e->failure_text);
+        pthread_mutex_unlock(&e->mu);
+        return e->failure ? e->failure : st;
+    }
+    if (st != RS_OK) {
+        pthread_mutex_lock(&e->mu);
+        snprintf(e->last_error, sizeof e->last_error, "%s",
+                 error[0] ? error : e->comm->last_error);
+        pthread_mutex_unlock(&e->mu);
+    }
+    return st;
+}
+
 rs_status_t rs_engine_wait(rs_engine_t *e, int64_t handle, double timeout_seconds, int *done) {
     struct timespec until;
     clock_gettime(CLOCK_MONOTONIC, &until);
@@ -647,6 +716,8 @@ rs_status_t rs_engine_wait(rs_engine_t *e, int64_t handle, double timeout_second
         if (e->sleeping)
             wake_thread(e);
     }
+    if (w && e->direct && w->meta.kind == RS_KIND_JOIN)
+        wait_joined(e, w, t);
     while (w && !w->done && pthread_cond_timedwait(&e->done_cv, &e->mu, &until) != ETIMEDOUT) {
     }
     if (w)

@@ -8,6 +8,8 @@
 
 #include "internal.h"
 
+typedef struct rs_direct rs_direct_t; /* same-host lane and staged allreduce (direct.c) */
+
 /* What every rank must agree on for a tensor (allgather / alltoall: all but shape[0]). */
 typedef struct {
     int32_t kind;
@@ -128,11 +130,35 @@ typedef struct {
     void *fusion;
     size_t fusion_bytes;
     rs_timeline_t *timeline;
+    rs_direct_t *staged;      /* same-host staged allreduce, or NULL */
+    size_t staged_min_bytes;  /* allreduces at least this large use it */
 } rs_executor_t;
 
 /* Run the ready tensors in order, fusing neighbouring allreduces. Each rs_work_t gets its
  * status; a communication failure is returned (every later tensor fails with it). */
 rs_status_t rs_execute(rs_executor_t *x, rs_pending_t **ready, int nready);
+
+/* ---- the same-host fast lane for blocking allreduces (direct.c) ---- */
+/* NULL unless every rank of comm is on this host (shared memory) and there are several. */
+rs_direct_t *rs_direct_create(rs_comm_t *comm, int area, double spin_seconds,
+                              double stall_seconds, size_t max_bytes);
+void rs_direct_free(rs_direct_t *d);
+/* Post, wait for every rank's post, check agreement and, for a small allreduce, reduce.
+ * *ran = 0: every rank found that the engine must run it (too large, another kind). A non-zero *failure
+ * (the engine's) ends the wait with that status; other errors are written to `error`. */
+rs_status_t rs_direct_run(rs_direct_t *d, const char *name, const rs_meta_t *meta,
+                          size_t count, const void *sendbuf, void *recvbuf,
+                          const rs_status_t *failure, int *ran, char *error, size_t cap);
+/* Allreduce through the shared segments in chunks: each rank reduces its slice of every
+ * rank's chunk, then copies the others' reduced slices (one thread per rank, in an order
+ * the ranks agreed on: the engine's executor, after negotiation). */
+rs_status_t rs_direct_staged_allreduce(rs_direct_t *d, const void *sendbuf, void *recvbuf,
+                                       size_t count, rs_dtype_t dtype, rs_op_t op,
+                                       double prescale, double postscale, char *error,
+                                       size_t cap);
+/* A joined rank: post zeros for every allreduce the others have posted, then sleep up to
+ * `seconds` for the next post. */
+void rs_direct_serve_joined(rs_direct_t *d, double seconds);
 
 int rs_dtype_movable(int dtype);
 const char *rs_dtype_name(int dtype);

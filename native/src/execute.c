@@ -37,11 +37,26 @@ static int fusable(const rs_executor_t *x, const rs_pending_t *a, const rs_pendi
            fused_bytes + tensor_bytes(mb) <= (size_t)x->fusion_threshold;
 }
 
+/* Where every rank is on this host, large allreduces go through the shared segments
+ * (each byte read from a peer once) instead of the ring. */
+static rs_status_t reduce_buffer(rs_executor_t *x, const void *send, void *recv, size_t count,
+                                 const rs_meta_t *m) {
+    if (!x->staged || count * rs_dtype_size(m->dtype) < x->staged_min_bytes)
+        return rs_allreduce(x->comm, send, recv, count, m->dtype, m->op, m->prescale,
+                            m->postscale);
+    char error[RS_ERROR_LEN] = "";
+    rs_status_t st = rs_direct_staged_allreduce(x->staged, send, recv, count, m->dtype, m->op,
+                                                m->prescale, m->postscale, error, sizeof error);
+    if (st != RS_OK && error[0])
+        rs_fail(x->comm, st, "%s", error);
+    return st;
+}
+
 static rs_status_t allreduce_one(rs_executor_t *x, rs_pending_t *p) {
     const rs_meta_t *m = &p->metas[0];
     double start = rs_now();
-    rs_status_t st = rs_allreduce(x->comm, p->mine->sendbuf, p->mine->recvbuf,
-                                  (size_t)elements(m), m->dtype, m->op, m->prescale, m->postscale);
+    rs_status_t st = reduce_buffer(x, p->mine->sendbuf, p->mine->recvbuf, (size_t)elements(m),
+                                   m);
     span(x, p, "RING", start);
     return st;
 }
@@ -71,8 +86,7 @@ static rs_status_t allreduce_fused(rs_executor_t *x, rs_pending_t **group, int n
         span(x, group[i], "COPY_IN", start);
     }
     double start = rs_now();
-    RS_CHECK(rs_allreduce(x->comm, fused, fused, bytes / rs_dtype_size(m->dtype), m->dtype, m->op,
-                          m->prescale, m->postscale));
+    RS_CHECK(reduce_buffer(x, fused, fused, bytes / rs_dtype_size(m->dtype), m));
     for (int i = 0; i < n; i++)
         span(x, group[i], "RING", start);
     at = 0;

@@ -54,6 +54,21 @@ struct rs_shm;
  * shm transport (required: every peer must be on this host). */
 rs_status_t rs_shm_setup(rs_comm_t *comm, uint64_t token, int required);
 
+/* The same-host fast lane (direct.c) keeps RS_DIRECT_AREAS areas of this many bytes at the
+ * end of every rank's shared segment; rs_shm_direct_area finds one (valid only where
+ * rs_shm_all_local: every peer on this host). */
+#define RS_DIRECT_MAX_BYTES ((size_t)1 << 20)
+#define RS_DIRECT_AREA_BYTES (2 * (RS_DIRECT_MAX_BYTES + 512) + 128)
+#define RS_DIRECT_AREAS 2 /* the lane's (calling threads), the engine thread's */
+int rs_shm_all_local(const rs_comm_t *comm);
+void *rs_shm_direct_area(rs_comm_t *comm, int rank, int area);
+/* From any thread, reading nothing from the stream: whether a peer's TCP connection is up. */
+enum { RS_PEER_UP = 0, RS_PEER_LOST = 1, RS_PEER_ABORTED = 2 };
+int rs_tcp_peer_state(rs_comm_t *comm, int peer);
+/* Average's division and the caller's postscale, after a reduction (algorithms.c). */
+rs_status_t rs_finish_scale(rs_comm_t *comm, void *buf, size_t count, rs_dtype_t dtype,
+                            rs_op_t op, double postscale);
+
 struct rs_comm {
     int rank;
     int size;

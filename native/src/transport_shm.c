@@ -172,8 +172,9 @@ rs_status_t rs_shm_setup(rs_comm_t *comm, uint64_t token, int required) {
     }
     for (int p = 0; p < comm->size; p++)
         shm->local[p] = (unsigned char)same_host(comm, p);
-    /* Rings are indexed by sending rank; pages of unused ones are never touched. */
-    shm->segment_bytes = (size_t)comm->size * sizeof(ring_t);
+    /* Rings are indexed by sending rank; pages of unused ones are never touched. The
+     * same-host fast lane's area (direct.c) follows them. */
+    shm->segment_bytes = (size_t)comm->size * sizeof(ring_t) + RS_DIRECT_AREAS * RS_DIRECT_AREA_BYTES;
     segment_name(shm->name, sizeof shm->name, token, comm->rank);
     /* The setup barriers run over TCP: the hybrid table is installed only after. */
     rs_status_t st = map_peers(comm, token);
@@ -183,6 +184,21 @@ rs_status_t rs_shm_setup(rs_comm_t *comm, uint64_t token, int required) {
     }
     comm->transport = &rs_shm_transport;
     return RS_OK;
+}
+
+/* ---- the fast lane's areas ---- */
+
+int rs_shm_all_local(const rs_comm_t *comm) {
+    for (int p = 0; p < comm->size; p++)
+        if (p != comm->rank && !is_local(comm, p))
+            return 0;
+    return comm->shm != NULL;
+}
+
+void *rs_shm_direct_area(rs_comm_t *comm, int rank, int area) {
+    ring_t *segment = rank == comm->rank ? comm->shm->mine : comm->shm->theirs[rank];
+    return (char *)segment + (size_t)comm->size * sizeof(ring_t) +
+           (size_t)area * RS_DIRECT_AREA_BYTES;
 }
 
 /* ---- the rings ---- */

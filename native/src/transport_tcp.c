@@ -245,6 +245,20 @@ static int has_hung_up(int fd) {
     return poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR));
 }
 
+int rs_tcp_peer_state(rs_comm_t *comm, int peer) {
+    tcp_state_t *st = state_of(comm);
+    if (!st || st->fds[peer] < 0)
+        return RS_PEER_LOST;
+    if (__atomic_load_n(&st->aborted[peer], __ATOMIC_RELAXED))
+        return RS_PEER_ABORTED; /* latched by the engine thread */
+    struct pollfd p = {.fd = st->fds[peer], .events = POLLRDHUP | POLLPRI};
+    if (poll(&p, 1, 0) != 1)
+        return RS_PEER_UP;
+    if (p.revents & POLLPRI)
+        return RS_PEER_ABORTED;
+    return p.revents & (POLLRDHUP | POLLHUP | POLLERR) ? RS_PEER_LOST : RS_PEER_UP;
+}
+
 /* How long to wait for the dead peer's hangup after an aborting peer's: a killed process's
  * sockets are closed one by one, and a fast survivor may abort before the last one is. */
 #define LOST_PEER_WAIT_SECONDS 0.5

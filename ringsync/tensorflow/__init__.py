@@ -54,6 +54,13 @@ def _check_differentiable(op, what):
                          f"{ReduceOp(op).name.title()} reduction is not defined")
 
 
+def _engine(start, *args):
+    """Run a collective through the engine, never the same-host lane: TensorFlow may run
+    several py_functions at once, in a different order on each rank, and the engine
+    matches them by name."""
+    return _rs.synchronize(start(*args))
+
+
 def _grad_name(name):
     return None if name is None else f"{name}.grad"
 
@@ -64,7 +71,7 @@ def allreduce(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, nam
     name = _name(name, "allreduce")
 
     def reduce(t, n):
-        y = _run(lambda a: _rs.allreduce(a, op, prescale_factor, postscale_factor, n), [t],
+        y = _run(lambda a: _engine(_rs.allreduce_async, a, op, prescale_factor, postscale_factor, n), [t],
                  t.dtype, "allreduce")
         y.set_shape(t.shape)
         return y
@@ -85,8 +92,8 @@ def grouped_allreduce(tensors, op=Average, prescale_factor=1.0, postscale_factor
     if not xs:
         return []
     name = _name(name, "grouped_allreduce")
-    out = _run(lambda *arrays: list(_rs.grouped_allreduce(list(arrays), op, prescale_factor,
-                                                          postscale_factor, name)),
+    out = _run(lambda *arrays: list(_engine(_rs.grouped_allreduce_async, list(arrays), op,
+                                               prescale_factor, postscale_factor, name)),
                xs, [x.dtype for x in xs], "grouped_allreduce")
     for y, x in zip(out, xs):
         y.set_shape(x.shape)
@@ -99,7 +106,7 @@ def allgather(tensor, name=None):
     name = _name(name, "allgather")
 
     def gather(t, n):
-        y = _run(lambda a: _rs.allgather(a, n), [t], t.dtype, "allgather")
+        y = _run(lambda a: _engine(_rs.allgather_async, a, n), [t], t.dtype, "allgather")
         y.set_shape([None] + t.shape[1:].as_list() if t.shape.rank else [None])
         return y
 
@@ -126,7 +133,7 @@ def broadcast(tensor, root_rank, name=None):
 
     @tf.custom_gradient
     def fn(t):
-        y = _run(lambda a: _rs.broadcast(a, root_rank, name), [t], t.dtype, "broadcast")
+        y = _run(lambda a: _engine(_rs.broadcast_async, a, root_rank, name), [t], t.dtype, "broadcast")
         y.set_shape(t.shape)
 
         def grad(dy):
@@ -141,7 +148,7 @@ def broadcast(tensor, root_rank, name=None):
 def reducescatter(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None):
     x = tf.convert_to_tensor(tensor)
     name = _name(name, "reducescatter")
-    y = _run(lambda a: _rs.reducescatter(a, op, prescale_factor, postscale_factor, name), [x],
+    y = _run(lambda a: _engine(_rs.reducescatter_async, a, op, prescale_factor, postscale_factor, name), [x],
              x.dtype, "reducescatter")
     y.set_shape([None] + x.shape[1:].as_list())
     return y
@@ -153,11 +160,11 @@ def alltoall(tensor, splits=None, name=None):
     x = tf.convert_to_tensor(tensor)
     name = _name(name, "alltoall")
     if splits is None:
-        y = _run(lambda a: _rs.alltoall(a, None, name), [x], x.dtype, "alltoall")
+        y = _run(lambda a: _engine(_rs.alltoall_async, a, None, name), [x], x.dtype, "alltoall")
         y.set_shape([None] + x.shape[1:].as_list())
         return y
     s = tf.convert_to_tensor(splits, dtype=tf.int64)
-    y, received = _run(lambda a, sp: list(_rs.alltoall(a, sp, name)), [x, s],
+    y, received = _run(lambda a, sp: list(_engine(_rs.alltoall_async, a, sp, name)), [x, s],
                        [x.dtype, tf.int64], "alltoall")
     y.set_shape([None] + x.shape[1:].as_list())
     received.set_shape([None])

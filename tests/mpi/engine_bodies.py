@@ -316,3 +316,47 @@ def join_with_uneven_steps():
     assert np.array_equal(rs.allgather(np.array([me])), np.arange(size))
     assert rs.join() in range(size)  # a second join round works too
     rs.shutdown()
+
+
+def same_host_lane():
+    """Blocking calls on the same-host lane: results against the reference for every
+    dtype (small, at the lane's limit, and above it, where the engine runs them), async
+    work in flight meanwhile, disagreements failing on every rank, and a joined rank
+    taking part with zeros in small and large allreduces."""
+    rs.init()
+    me, size, last = rs.rank(), rs.size(), rs.size() - 1
+    assert rs._comm()._lane == (size > 1), "every rank is on this host: the lane must be on"
+    limit = rs._comm().config.lane_bytes
+    for dtype in REDUCIBLE:
+        for n in (0, 1, 7, limit // np.dtype(dtype).itemsize, limit // np.dtype(dtype).itemsize + 5):
+            name = f"lane.{np.dtype(dtype).name}.{n}"
+            inputs = [rank_input(r, (n,), dtype, "Sum", name) for r in range(size)]
+            assert_reduced(rs.allreduce(inputs[me], op=rs.Sum, name=name), inputs, "Sum", what=name)
+    # Average, scale factors, in place; an async allreduce overlapping blocking ones.
+    pending = rs.allreduce_async(np.full(50_000, me + 1.0), op=rs.Sum, name="lane.async")
+    x = np.arange(5.0) * (me + 1)
+    assert rs.allreduce_(x, op=rs.Average, prescale_factor=2.0, postscale_factor=0.5) is x
+    assert np.allclose(x, np.arange(5.0) * sum(r + 1 for r in range(size)) / size)
+    rs.barrier()
+    assert np.all(rs.synchronize(pending) == sum(r + 1 for r in range(size)))
+    # Disagreements fail here, on every rank, and the next call works.
+    _expect_everywhere(f"Mismatched blocking collectives: rank 0 called allreduce 'lane.a', "
+                       f"rank {last} called allreduce 'lane.b'", rs.allreduce, np.ones(3),
+                       name="lane.b" if me == last else "lane.a")
+    _expect_everywhere(f"Mismatched allreduce tensor shapes for 'lane.size': rank 0 sent [4], "
+                       f"rank {last} sent [{limit}]", rs.allreduce,
+                       np.ones(limit if me == last else 4), name="lane.size")
+    _expect_everywhere(f"rank {last} called barrier 'barrier.noname.", (lambda: rs.barrier())
+                       if me == last else (lambda: rs.allreduce(np.ones(2), name="lane.kind")))
+    _expect_everywhere(f"Mismatched operations for 'lane.bcast': rank 0 sent allreduce, rank {last} "
+                       "sent broadcast", (lambda: rs.broadcast(np.ones(2), 0, name="lane.bcast"))
+                       if me == last else (lambda: rs.allreduce(np.ones(2), name="lane.bcast")))
+    # Rank 0 runs out of data first: its zeros stand in, small and large.
+    steps = 3 if me == 0 else 5
+    for step in range(steps):
+        for n in (4, limit // 8 + 3):
+            got = rs.allreduce(np.full(n, me + 1.0), op=rs.Sum, name=f"lane.join.{step}.{n}")
+            active = [r for r in range(size) if step < (3 if r == 0 else 5)]
+            assert np.all(got == sum(r + 1 for r in active)), (step, n, got[:3], active)
+    rs.join()
+    rs.shutdown()

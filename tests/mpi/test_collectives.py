@@ -1,5 +1,6 @@
 """Every collective x dtype x op on 1, 2, 3 and 4 ranks (one body, several rank counts),
-over each transport, checked against numpy references built from all ranks' inputs."""
+over each transport and same-host path, checked against numpy references built from all
+ranks' inputs."""
 import pytest
 
 from ringsync.testing import assert_mpi_ok
@@ -21,13 +22,30 @@ BODIES = [
 ]
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
-@pytest.mark.parametrize("np", [1, 2, 3, 4])
-@pytest.mark.parametrize("body", BODIES)
-def test_collective(body, np, transport, tmp_path):
+# How same-host ranks move data: the default (shared memory; blocking small allreduces on
+# the lane, large allreduces staged through the segments), TCP only, the ring over the
+# shared-memory transport (as between hosts), and every allreduce staged.
+PATHS = {
+    "shm": {"RINGSYNC_TRANSPORT": "shm"},
+    "tcp": {"RINGSYNC_TRANSPORT": "tcp"},
+    "shm-ring": {"RINGSYNC_TRANSPORT": "shm", "RINGSYNC_LANE_BYTES": "0",
+                 "RINGSYNC_STAGED_BYTES": "0"},
+    "staged": {"RINGSYNC_TRANSPORT": "shm", "RINGSYNC_LANE_BYTES": "0",
+               "RINGSYNC_STAGED_BYTES": "1"},
+}
+ALLREDUCE_BODIES = ["allreduce_all", "allreduce_large_and_strided"]
+CASES = ([(body, np, "shm") for body in BODIES for np in (1, 2, 3, 4)] +
+         [(body, np, "tcp") for body in BODIES for np in (2, 4)] +
+         [(body, np, "shm-ring") for body in ALLREDUCE_BODIES + ["barrier_orders_ranks"]
+          for np in (2, 3)] +
+         [(body, np, "staged") for body in ALLREDUCE_BODIES for np in (2, 3, 4)])
+
+
+@pytest.mark.parametrize("body,np,path", CASES)
+def test_collective(body, np, path, tmp_path):
     assert_mpi_ok(f"tests.mpi.bodies:{body}", np=np, timeout=180,
                   env={"RINGSYNC_TEST_DIR": str(tmp_path), "RINGSYNC_TIMEOUT_SECONDS": "60",
-                       "RINGSYNC_TRANSPORT": transport})
+                       **PATHS[path]})
 
 
 @pytest.mark.parametrize("np", [2, 3, 4])

@@ -20,6 +20,12 @@ def test_engine(body, np):
     assert_mpi_ok(BODY + body, np=np, timeout=180, env={"RINGSYNC_TIMEOUT_SECONDS": "60"})
 
 
+@pytest.mark.parametrize("np", [2, 4])
+def test_same_host_lane(np):
+    assert_mpi_ok(BODY + "same_host_lane", np=np, timeout=180,
+                  env={"RINGSYNC_TIMEOUT_SECONDS": "60", "RINGSYNC_TRANSPORT": "shm"})
+
+
 @pytest.mark.parametrize("np", [2, 3])
 def test_every_mismatch_fails_on_every_rank(np):
     assert_mpi_ok(BODY + "mismatches_fail_on_every_rank", np=np, timeout=120,

@@ -1,0 +1,472 @@
+/* The same-host fast lane: blocking allreduces without the engine thread.
+ *
+ * When every rank of a communicator is on one host, a blocking allreduce does not need
+ * the engine's negotiation: each caller blocks until all ranks have called it, so ranks
+ * must make such calls in the same order anyway (as with MPI). Each rank posts a header
+ * (name, dtype, shape, op, scale factors) and, for a small tensor, its data in its own
+ * shared segment; once every rank has posted, each checks that the headers agree and
+ * reduces all posts in rank order (the same bits on every rank). One exchange through
+ * memory, on the calling thread: no thread hand-off, no system call while peers keep up.
+ *
+ * A tensor larger than the lane posts its header only; every rank then sees the same
+ * headers and sends the tensor through the engine, so a size mismatch between ranks is
+ * still a clear error instead of a hang.
+ *
+ * Posts alternate between two slots. A rank posts operation s+2 only after completing
+ * s+1, which needs every rank's post s+1, which each made only after completing s: so
+ * nobody still reads the slot being overwritten.
+ *
+ * Waiting spins briefly, then sleeps on a futex in the waiter's own segment; a rank that
+ * posts bumps and wakes the futex of every peer that said it sleeps (the same flag
+ * handshake as the shm transport's doorbells). Asleep, a waiter looks every few
+ * milliseconds at the engine's failure, its peers' sockets (death, abort), and the stall
+ * and timeout deadlines. A rank that has joined takes part with zeros (engine.c calls
+ * rs_direct_serve_joined while it waits for the join). */
+#define _GNU_SOURCE
+#include <limits.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "engine.h"
+
+#define SLICE_SECONDS 0.005      /* how often a sleeping waiter looks at failures */
+#define LOST_PEER_WAIT_SECONDS 0.5 /* after an abort notice, wait this long for a hangup */
+#define NAME_BYTES 64
+
+enum { POST_DATA = 1, POST_USE_ENGINE = 2 };
+
+typedef struct {
+    uint64_t seq; /* stored last, with release: the post for operation `seq` is complete */
+    char pad0[56];
+    uint64_t reduced; /* staged allreduce: this rank's slice of chunk `reduced` is ready */
+    char pad1[56];
+    uint64_t name_hash;
+    int32_t flags;
+    int32_t reserved;
+    uint64_t bytes;
+    rs_meta_t meta;
+    char name[NAME_BYTES]; /* for messages; names are compared by hash */
+    char data[RS_DIRECT_MAX_BYTES] __attribute__((aligned(64)));
+} post_t;
+
+typedef struct {
+    uint32_t bell;    /* futex word: bumped by a peer that posted while we slept */
+    int32_t sleeping; /* we block on `bell`: posters must bump it */
+    char pad[120];
+    post_t posts[2];
+} area_t;
+
+_Static_assert(sizeof(area_t) <= RS_DIRECT_AREA_BYTES, "the lane outgrew its shared area");
+
+struct rs_direct {
+    rs_comm_t *comm;
+    area_t **areas; /* per rank, this rank's included */
+    uint64_t seq;   /* operations this rank has posted */
+    double spin_seconds;
+    double stall_seconds;
+    size_t max_bytes; /* larger tensors go through the engine */
+    pthread_mutex_t mu; /* one operation at a time per rank */
+};
+
+rs_direct_t *rs_direct_create(rs_comm_t *comm, int area, double spin_seconds,
+                              double stall_seconds, size_t max_bytes) {
+    if (comm->size < 2 || !rs_shm_all_local(comm))
+        return NULL;
+    rs_direct_t *d = calloc(1, sizeof *d);
+    if (!d || !(d->areas = calloc((size_t)comm->size, sizeof *d->areas))) {
+        free(d);
+        return NULL;
+    }
+    for (int r = 0; r < comm->size; r++)
+        d->areas[r] = rs_shm_direct_area(comm, r, area);
+    d->comm = comm;
+    d->spin_seconds = spin_seconds;
+    d->stall_seconds = stall_seconds;
+    d->max_bytes = max_bytes < RS_DIRECT_MAX_BYTES ? max_bytes : RS_DIRECT_MAX_BYTES;
+    pthread_mutex_init(&d->mu, NULL);
+    return d;
+}
+
+void rs_direct_free(rs_direct_t *d) {
+    if (!d)
+        return;
+    pthread_mutex_destroy(&d->mu);
+    free(d->areas);
+    free(d);
+}
+
+/* ---- posting and waking ---- */
+
+static uint64_t name_hash(const char *name) { /* FNV-1a */
+    uint64_t h = 1469598103934665603ull;
+    for (; *name; name++)
+        h = (h ^ (unsigned char)*name) * 1099511628211ull;
+    return h;
+}
+
+static long futex(uint32_t *word, int op, uint32_t value, const struct timespec *timeout) {
+    return syscall(SYS_futex, word, op, value, timeout, NULL, 0);
+}
+
+static int posted(const rs_direct_t *d, int rank, uint64_t seq) {
+    return __atomic_load_n(&d->areas[rank]->posts[seq & 1].seq, __ATOMIC_ACQUIRE) == seq;
+}
+
+static int all_reduced(const rs_direct_t *d, uint64_t seq) {
+    for (int r = 0; r < d->comm->size; r++)
+        if (__atomic_load_n(&d->areas[r]->posts[seq & 1].reduced, __ATOMIC_ACQUIRE) != seq)
+            return 0;
+    return 1;
+}
+
+static int all_posted(const rs_direct_t *d, uint64_t seq) {
+    for (int r = 0; r < d->comm->size; r++)
+        if (!posted(d, r, seq))
+            return 0;
+    return 1;
+}
+
+static void publish(rs_direct_t *d, uint64_t *counter, uint64_t seq) {
+    __atomic_store_n(counter, seq, __ATOMIC_RELEASE);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST); /* pairs with the sleeper's flag-then-check */
+    for (int r = 0; r < d->comm->size; r++) {
+        area_t *a = d->areas[r];
+        if (r == d->comm->rank || !__atomic_load_n(&a->sleeping, __ATOMIC_RELAXED))
+            continue;
+        __atomic_add_fetch(&a->bell, 1, __ATOMIC_RELEASE);
+        futex(&a->bell, FUTEX_WAKE, INT_MAX, NULL);
+    }
+}
+
+/* Sleep on our bell until a peer posts (or `seconds` pass); `ready` is checked after the
+ * sleeping flag is up, so a post in between is never missed. */
+static void doze(rs_direct_t *d, double seconds, int (*ready)(const rs_direct_t *, uint64_t),
+                 uint64_t seq) {
+    area_t *mine = d->areas[d->comm->rank];
+    uint32_t bell = __atomic_load_n(&mine->bell, __ATOMIC_ACQUIRE);
+    __atomic_store_n(&mine->sleeping, 1, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    if (!ready(d, seq) && seconds > 0) {
+        struct timespec ts = {(time_t)seconds, (long)((seconds - (double)(time_t)seconds) * 1e9)};
+        futex(&mine->bell, FUTEX_WAIT, bell, &ts);
+    }
+    __atomic_store_n(&mine->sleeping, 0, __ATOMIC_RELAXED);
+}
+
+/* ---- waiting for every rank's post ---- */
+
+static void missing_ranks(const rs_direct_t *d, uint64_t seq, int want, char *out, size_t cap) {
+    size_t at = (size_t)snprintf(out, cap, "[");
+    int first = 1;
+    for (int r = 0; r < d->comm->size && at < cap; r++)
+        if (posted(d, r, seq) == want) {
+            at += (size_t)snprintf(out + at, cap - at, first ? "%d" : ", %d", r);
+            first = 0;
+        }
+    if (at < cap)
+        snprintf(out + at, cap - at, "]");
+}
+
+/* A dead peer is named in preference to one that aborted because of it. */
+typedef struct {
+    const char *name; /* the lane's tensor (stall report, timeout); NULL: a staged allreduce */
+    int kind;
+    const rs_status_t *failure; /* the engine's, or NULL */
+} waiting_t;
+
+static rs_status_t check_peers(rs_direct_t *d, double *abort_seen, char *error, size_t cap) {
+    rs_comm_t *comm = d->comm;
+    int aborted = -1;
+    for (int p = 0; p < comm->size; p++) {
+        if (p == comm->rank)
+            continue;
+        int state = rs_tcp_peer_state(comm, p);
+        if (state == RS_PEER_LOST) {
+            snprintf(error, cap, "rank %d: connection to rank %d (host %s) was lost (peer "
+                     "process gone?)", comm->rank, p, rs_peer_host(comm, p));
+            return RS_ERR_COMM;
+        }
+        if (state == RS_PEER_ABORTED && aborted < 0)
+            aborted = p;
+    }
+    if (aborted < 0)
+        return RS_OK;
+    if (*abort_seen == 0)
+        *abort_seen = rs_now();
+    if (rs_now() - *abort_seen < LOST_PEER_WAIT_SECONDS)
+        return RS_OK;
+    snprintf(error, cap, "rank %d: rank %d (host %s) aborted after a failure elsewhere in the "
+             "job", comm->rank, aborted, rs_peer_host(comm, aborted));
+    return RS_ERR_COMM;
+}
+
+static void report_stall(const rs_direct_t *d, uint64_t seq, const char *name, int kind,
+                         double waited) {
+    char have[512], missing[512];
+    missing_ranks(d, seq, 1, have, sizeof have);
+    missing_ranks(d, seq, 0, missing, sizeof missing);
+    fprintf(stderr, "ringsync: stall: tensor '%s' (%s) was submitted by ranks %s but "
+            "ranks %s have not submitted it after %.1f s\n", name, rs_kind_name(kind), have, missing, waited);
+    fflush(stderr);
+}
+
+static rs_status_t time_out(const rs_direct_t *d, uint64_t seq, const waiting_t *w,
+                            double waited, char *error, size_t cap) {
+    char missing[512];
+    missing_ranks(d, seq, 0, missing, sizeof missing);
+    if (!w->name)
+        snprintf(error, cap, "rank %d: timed out after %.1f s in a shared-memory allreduce "
+                 "waiting for its peers (RINGSYNC_TIMEOUT_SECONDS=%g)", d->comm->rank, waited,
+                 d->comm->timeout_seconds);
+    else
+        snprintf(error, cap, "rank %d: tensor '%s' (%s) waited %.1f s for ranks %s to submit it "
+                 "(RINGSYNC_TIMEOUT_SECONDS=%g); giving up", d->comm->rank, w->name,
+                 rs_kind_name(w->kind), waited, missing, d->comm->timeout_seconds);
+    return RS_ERR_TIMEOUT;
+}
+
+/* Spin, then sleep in slices until ready(d, seq); between slices, look at the engine's
+ * failure, the communicator, the peers' sockets, and the stall and timeout deadlines. */
+static rs_status_t wait_for(rs_direct_t *d, int (*ready)(const rs_direct_t *, uint64_t),
+                            uint64_t seq, const waiting_t *w, char *error, size_t cap) {
+    double start = rs_now(), spin_until = start + d->spin_seconds, abort_seen = 0;
+    int stall_reported = !w->name || d->comm->rank != 0 || d->stall_seconds <= 0;
+    while (!ready(d, seq)) {
+        double now = rs_now();
+        if (now < spin_until)
+            continue;
+        rs_status_t failed = w->failure ? __atomic_load_n(w->failure, __ATOMIC_ACQUIRE) : RS_OK;
+        if (failed)
+            return failed; /* the engine failed (or was aborted): the caller says why */
+        if (__atomic_load_n(&d->comm->broken, __ATOMIC_RELAXED)) {
+            snprintf(error, cap, "rank %d: communicator is broken by an earlier failure",
+                     d->comm->rank);
+            return RS_ERR_COMM;
+        }
+        RS_CHECK(check_peers(d, &abort_seen, error, cap));
+        if (!stall_reported && now - start >= d->stall_seconds) {
+            report_stall(d, seq, w->name, w->kind, now - start);
+            stall_reported = 1;
+        }
+        if (now - start >= d->comm->timeout_seconds)
+            return time_out(d, seq, w, now - start, error, cap);
+        doze(d, SLICE_SECONDS, ready, seq);
+    }
+    return RS_OK;
+}
+
+/* ---- one operation ---- */
+
+/* NULL if every rank posted the same tensor, else a message naming ranks and values. */
+static char *disagreement(const rs_direct_t *d, uint64_t seq) {
+    int size = d->comm->size;
+    const post_t *first = &d->areas[0]->posts[seq & 1];
+    for (int r = 1; r < size; r++) {
+        const post_t *p = &d->areas[r]->posts[seq & 1];
+        if (p->name_hash != first->name_hash)
+            return rs_strdup_printf("Mismatched blocking collectives: rank 0 called %s '%.64s', "
+                                    "rank %d called %s '%.64s' (every rank must make blocking "
+                                    "collectives in the same order)",
+                                    rs_kind_name(first->meta.kind), first->name, r,
+                                    rs_kind_name(p->meta.kind), p->name);
+    }
+    rs_meta_t *metas = calloc((size_t)size, sizeof *metas);
+    unsigned char *submitted = malloc((size_t)size);
+    if (!metas || !submitted) {
+        free(metas);
+        free(submitted);
+        return rs_strdup_printf("rank %d: out of memory", d->comm->rank);
+    }
+    for (int r = 0; r < size; r++) {
+        metas[r] = d->areas[r]->posts[seq & 1].meta;
+        submitted[r] = 1;
+    }
+    rs_pending_t p = {.name = (char *)first->name, .metas = metas, .submitted = submitted,
+                      .count = size};
+    char *message = rs_check_agreement(&p, size);
+    free(metas);
+    free(submitted);
+    return message;
+}
+
+static int any_uses_engine(const rs_direct_t *d, uint64_t seq) {
+    for (int r = 0; r < d->comm->size; r++)
+        if (d->areas[r]->posts[seq & 1].flags & POST_USE_ENGINE)
+            return 1;
+    return 0;
+}
+
+static rs_status_t reduce_posts(rs_direct_t *d, uint64_t seq, const rs_meta_t *meta,
+                                size_t count, void *recvbuf) {
+    size_t bytes = count * rs_dtype_size(meta->dtype);
+    rs_reduce_fn reduce = rs_reduce_kernel(meta->dtype, meta->op);
+    memcpy(recvbuf, d->areas[0]->posts[seq & 1].data, bytes);
+    for (int r = 1; r < d->comm->size; r++)
+        reduce(recvbuf, d->areas[r]->posts[seq & 1].data, count);
+    return rs_finish_scale(d->comm, recvbuf, count, meta->dtype, meta->op, meta->postscale);
+}
+
+static void fill_header(post_t *post, const char *name, const rs_meta_t *meta, size_t bytes,
+                        int flags) {
+    post->name_hash = name_hash(name);
+    snprintf(post->name, sizeof post->name, "%s", name);
+    post->meta = *meta;
+    post->bytes = bytes;
+    post->flags = flags;
+}
+
+rs_status_t rs_direct_run(rs_direct_t *d, const char *name, const rs_meta_t *meta,
+                          size_t count, const void *sendbuf, void *recvbuf,
+                          const rs_status_t *failure, int *ran, char *error, size_t cap) {
+    size_t bytes = count * rs_dtype_size(meta->dtype);
+    int small = meta->kind == RS_KIND_BARRIER ||
+                (meta->kind == RS_KIND_ALLREDUCE && bytes <= d->max_bytes);
+    pthread_mutex_lock(&d->mu);
+    uint64_t seq = ++d->seq;
+    post_t *post = &d->areas[d->comm->rank]->posts[seq & 1];
+    fill_header(post, name, meta, bytes, small ? POST_DATA : POST_USE_ENGINE);
+    rs_status_t st = RS_OK;
+    if (small && bytes && meta->kind == RS_KIND_ALLREDUCE) {
+        memcpy(post->data, sendbuf, bytes);
+        if (meta->prescale != 1.0)
+            st = rs_scale_local(post->data, count, meta->dtype, meta->prescale);
+    }
+    publish(d, &post->seq, seq); /* even after a failed prescale: the peers must not hang */
+    waiting_t w = {name, meta->kind, failure};
+    rs_status_t waited = wait_for(d, all_posted, seq, &w, error, cap);
+    st = waited != RS_OK ? waited : st;
+    char *message = st == RS_OK ? disagreement(d, seq) : NULL;
+    if (message) {
+        snprintf(error, cap, "%s", message);
+        free(message);
+        st = RS_ERR_USAGE;
+    }
+    *ran = st != RS_OK || !any_uses_engine(d, seq);
+    if (st == RS_OK && *ran && count && meta->kind == RS_KIND_ALLREDUCE)
+        st = reduce_posts(d, seq, meta, count, recvbuf);
+    pthread_mutex_unlock(&d->mu);
+    return st;
+}
+
+/* ---- a joined rank ---- */
+
+static int next_posted_by_any(const rs_direct_t *d, uint64_t seq) {
+    for (int r = 0; r < d->comm->size; r++)
+        if (r != d->comm->rank && posted(d, r, seq))
+            return 1;
+    return 0;
+}
+
+void rs_direct_serve_joined(rs_direct_t *d, double seconds) {
+    pthread_mutex_lock(&d->mu);
+    for (;;) {
+        uint64_t seq = d->seq + 1;
+        int from = -1;
+        for (int r = 0; r < d->comm->size && from < 0; r++)
+            if (r != d->comm->rank && posted(d, r, seq))
+                from = r;
+        if (from < 0)
+            break;
+        const post_t *theirs = &d->areas[from]->posts[seq & 1];
+        post_t *mine = &d->areas[d->comm->rank]->posts[seq & 1];
+        /* Only allreduce works with join: the engine fails the others on every rank. */
+        int flags = theirs->meta.kind == RS_KIND_ALLREDUCE ? theirs->flags : POST_USE_ENGINE;
+        fill_header(mine, theirs->name, &theirs->meta, theirs->bytes, flags);
+        mine->name_hash = theirs->name_hash; /* the name may have been cut for messages */
+        if (theirs->flags & POST_DATA)
+            memset(mine->data, 0, theirs->bytes);
+        publish(d, &mine->seq, seq);
+        d->seq = seq;
+    }
+    doze(d, seconds, next_posted_by_any, d->seq + 1);
+    pthread_mutex_unlock(&d->mu);
+}
+
+/* ---- the staged allreduce: a reduce-scatter through shared memory ---- */
+
+/* Chunks small enough that the staging slots stay in cache while every rank reads them. */
+#define STAGE_CHUNK_BYTES ((size_t)256 << 10)
+
+/* Elements [*lo, *lo + *n) of a chunk of `count` are rank r's to reduce. */
+static void slice_of(size_t count, int size, int r, size_t *lo, size_t *n) {
+    size_t base = count / (size_t)size, extra = count % (size_t)size;
+    *lo = (size_t)r * base + ((size_t)r < extra ? (size_t)r : extra);
+    *n = base + ((size_t)r < extra);
+}
+
+typedef struct {
+    rs_dtype_t dtype;
+    rs_op_t op;
+    double prescale, postscale;
+    size_t elem;
+    rs_reduce_fn reduce;
+} reduction_t;
+
+/* Copy `n` elements into the staging slot at the same offset, scaled as the reduction says. */
+static rs_status_t stage(char *slot, const char *send, size_t lo, size_t n,
+                         const reduction_t *red) {
+    memcpy(slot + lo * red->elem, send + lo * red->elem, n * red->elem);
+    return red->prescale == 1.0 ? RS_OK
+                                : rs_scale_local(slot + lo * red->elem, n, red->dtype, red->prescale);
+}
+
+/* Every rank stages the slices that its peers reduce; rank r reduces slice r of every
+ * rank's chunk into its output (its own data first, then the others in rank order: each
+ * slice has one owner, so every rank ends with the owner's bits) and stages the result;
+ * then every rank copies the other slices out of their owners' slots. Two
+ * synchronisations per chunk; each byte crosses between ranks once each way. */
+static rs_status_t staged_chunk(rs_direct_t *d, const char *send, char *recv, size_t count,
+                                const reduction_t *red, const waiting_t *w, char *error,
+                                size_t cap) {
+    int size = d->comm->size, me = d->comm->rank;
+    uint64_t seq = ++d->seq;
+    char *slot = d->areas[me]->posts[seq & 1].data;
+    size_t lo, n;
+    slice_of(count, size, me, &lo, &n);
+    RS_CHECK(stage(slot, send, 0, lo, red));
+    RS_CHECK(stage(slot, send, lo + n, count - lo - n, red));
+    publish(d, &d->areas[me]->posts[seq & 1].seq, seq);
+    char *out = recv + lo * red->elem;
+    if (out != send + lo * red->elem)
+        memcpy(out, send + lo * red->elem, n * red->elem);
+    if (red->prescale != 1.0)
+        RS_CHECK(rs_scale_local(out, n, red->dtype, red->prescale));
+    RS_CHECK(wait_for(d, all_posted, seq, w, error, cap));
+    for (int r = 0; r < size; r++)
+        if (r != me)
+            red->reduce(out, d->areas[r]->posts[seq & 1].data + lo * red->elem, n);
+    RS_CHECK(rs_finish_scale(d->comm, out, n, red->dtype, red->op, red->postscale));
+    memcpy(slot + lo * red->elem, out, n * red->elem);
+    publish(d, &d->areas[me]->posts[seq & 1].reduced, seq);
+    RS_CHECK(wait_for(d, all_reduced, seq, w, error, cap));
+    for (int r = 0; r < size; r++) {
+        if (r == me)
+            continue;
+        slice_of(count, size, r, &lo, &n);
+        memcpy(recv + lo * red->elem, d->areas[r]->posts[seq & 1].data + lo * red->elem,
+               n * red->elem);
+    }
+    return RS_OK;
+}
+
+rs_status_t rs_direct_staged_allreduce(rs_direct_t *d, const void *sendbuf, void *recvbuf,
+                                       size_t count, rs_dtype_t dtype, rs_op_t op,
+                                       double prescale, double postscale, char *error,
+                                       size_t cap) {
+    reduction_t red = {dtype, op, prescale, postscale, rs_dtype_size(dtype),
+                       rs_reduce_kernel(dtype, op)};
+    size_t chunk = STAGE_CHUNK_BYTES / red.elem;
+    waiting_t w = {NULL, RS_KIND_ALLREDUCE, NULL};
+    for (size_t at = 0; at < count; at += chunk) {
+        size_t n = count - at < chunk ? count - at : chunk;
+        RS_CHECK(staged_chunk(d, (const char *)sendbuf + at * red.elem,
+                              (char *)recvbuf + at * red.elem, n, &red, &w, error, cap));
+    }
+    return RS_OK;
+}
