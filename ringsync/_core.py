@@ -320,10 +320,8 @@ class Communicator:
         """Hand requests to the engine. A blocking call (one urgent request) tries the
         same-host lane first, which runs small allreduces and barriers itself."""
         if self._lane and len(requests) == 1 and requests[0].urgent and not self.closed:
-            if self._run_on_lane(requests[0], what):
-                handle = Handle(self, [], None, finish, what, [requests[0].name])
-                handle._result, handle._done = finish(), True
-                return handle
+            if self._run_on_lane(requests[0], what):  # done: synchronize only finishes it
+                return Handle(self, [], None, finish, what, [requests[0].name])
         n = len(requests)
         names = [ffi.new("char[]", r.name.encode()) for r in requests]
         structs = ffi.new("rs_request_t[]", n)

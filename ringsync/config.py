@@ -32,7 +32,7 @@ class Config:
     # RINGSYNC_LANE_BYTES: blocking allreduces up to this size (at most 4 MiB) take the
     # same-host lane when every rank is on one host: no engine thread, one exchange through
     # shared memory (0: always the engine)
-    lane_bytes: int = 1 << 20
+    lane_bytes: int = 1 << 30
     # RINGSYNC_STAGED_BYTES: with every rank on one host, the engine reduces allreduces of at
     # least this size through the shared segments (each rank reduces a slice of every
     # rank's data) instead of the ring (0: always the ring)

@@ -153,7 +153,7 @@ typedef struct {
     double stall_check_seconds;     /* report tensors some ranks have not submitted */
     int cache_capacity;             /* negotiation cache entries */
     double lane_spin_seconds;       /* same-host lane: spin this long before sleeping */
-    int64_t lane_max_bytes;         /* same-host lane: largest tensor (0: no lane; at most 1 MiB) */
+    int64_t lane_max_bytes;         /* same-host lane: largest allreduce (0: no lane) */
     int64_t staged_min_bytes;       /* every rank on this host: allreduces at least this large
                                        reduce through shared memory, not the ring (0: never) */
 } rs_engine_config_t;

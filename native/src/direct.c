@@ -39,7 +39,9 @@
 #define LOST_PEER_WAIT_SECONDS 0.5 /* after an abort notice, wait this long for a hangup */
 #define NAME_BYTES 64
 
-enum { POST_DATA = 1, POST_USE_ENGINE = 2 };
+/* What a post announces: its data follows (one round); the engine runs the call; the
+ * allreduce goes in staged chunks after the headers agree. */
+enum { POST_DATA = 1, POST_USE_ENGINE = 2, POST_STAGED = 4 };
 
 typedef struct {
     uint64_t seq; /* stored last, with release: the post for operation `seq` is complete */
@@ -88,7 +90,7 @@ rs_direct_t *rs_direct_create(rs_comm_t *comm, int area, double spin_seconds,
     d->comm = comm;
     d->spin_seconds = spin_seconds;
     d->stall_seconds = stall_seconds;
-    d->max_bytes = max_bytes < RS_DIRECT_MAX_BYTES ? max_bytes : RS_DIRECT_MAX_BYTES;
+    d->max_bytes = max_bytes;
     pthread_mutex_init(&d->mu, NULL);
     return d;
 }
@@ -321,18 +323,41 @@ static void fill_header(post_t *post, const char *name, const rs_meta_t *meta, s
     post->flags = flags;
 }
 
+static int post_flags(const rs_direct_t *d, const rs_meta_t *meta, size_t bytes) {
+    if (meta->kind == RS_KIND_BARRIER)
+        return POST_DATA; /* no data: the exchange is the barrier */
+    if (meta->kind != RS_KIND_ALLREDUCE || bytes > d->max_bytes)
+        return POST_USE_ENGINE;
+    size_t one_round = d->comm->small_allreduce_bytes < RS_DIRECT_MAX_BYTES
+                           ? d->comm->small_allreduce_bytes : RS_DIRECT_MAX_BYTES;
+    return bytes <= one_round ? POST_DATA : POST_STAGED;
+}
+
+/* How every rank runs the call, from all the posts' flags (the same on every rank). */
+static int agreed_flags(const rs_direct_t *d, uint64_t seq) {
+    int all = ~0, any = 0;
+    for (int r = 0; r < d->comm->size; r++) {
+        all &= d->areas[r]->posts[seq & 1].flags;
+        any |= d->areas[r]->posts[seq & 1].flags;
+    }
+    return (any & POST_USE_ENGINE) || all != any ? POST_USE_ENGINE : all;
+}
+
+static rs_status_t staged_allreduce(rs_direct_t *d, const void *sendbuf, void *recvbuf,
+                                    size_t count, const rs_meta_t *meta, const waiting_t *w,
+                                    char *error, size_t cap);
+
 rs_status_t rs_direct_run(rs_direct_t *d, const char *name, const rs_meta_t *meta,
                           size_t count, const void *sendbuf, void *recvbuf,
                           const rs_status_t *failure, int *ran, char *error, size_t cap) {
     size_t bytes = count * rs_dtype_size(meta->dtype);
-    int small = meta->kind == RS_KIND_BARRIER ||
-                (meta->kind == RS_KIND_ALLREDUCE && bytes <= d->max_bytes);
+    int flags = post_flags(d, meta, bytes);
     pthread_mutex_lock(&d->mu);
     uint64_t seq = ++d->seq;
     post_t *post = &d->areas[d->comm->rank]->posts[seq & 1];
-    fill_header(post, name, meta, bytes, small ? POST_DATA : POST_USE_ENGINE);
+    fill_header(post, name, meta, bytes, flags);
     rs_status_t st = RS_OK;
-    if (small && bytes && meta->kind == RS_KIND_ALLREDUCE) {
+    if ((flags & POST_DATA) && bytes) {
         memcpy(post->data, sendbuf, bytes);
         if (meta->prescale != 1.0)
             st = rs_scale_local(post->data, count, meta->dtype, meta->prescale);
@@ -347,9 +372,12 @@ rs_status_t rs_direct_run(rs_direct_t *d, const char *name, const rs_meta_t *met
         free(message);
         st = RS_ERR_USAGE;
     }
-    *ran = st != RS_OK || !any_uses_engine(d, seq);
-    if (st == RS_OK && *ran && count && meta->kind == RS_KIND_ALLREDUCE)
+    int agreed = st == RS_OK ? agreed_flags(d, seq) : 0;
+    *ran = !(agreed & POST_USE_ENGINE);
+    if ((agreed & POST_DATA) && count && meta->kind == RS_KIND_ALLREDUCE)
         st = reduce_posts(d, seq, meta, count, recvbuf);
+    if (agreed & POST_STAGED)
+        st = staged_allreduce(d, sendbuf, recvbuf, count, meta, &w, error, cap);
     pthread_mutex_unlock(&d->mu);
     return st;
 }
@@ -361,6 +389,18 @@ static int next_posted_by_any(const rs_direct_t *d, uint64_t seq) {
         if (r != d->comm->rank && posted(d, r, seq))
             return 1;
     return 0;
+}
+
+/* A joined rank's part in a staged allreduce: zeros in, the result dropped. A failure is
+ * left for the ranks that made the call, and for the engine, to report. */
+static void stage_zeros(rs_direct_t *d, const rs_meta_t *meta, size_t bytes) {
+    char *zeros = calloc(1, bytes), *out = malloc(bytes), error[RS_ERROR_LEN];
+    waiting_t w = {"(joined)", RS_KIND_ALLREDUCE, NULL};
+    if (zeros && out)
+        staged_allreduce(d, zeros, out, bytes / rs_dtype_size(meta->dtype), meta, &w, error,
+                         sizeof error);
+    free(zeros);
+    free(out);
 }
 
 void rs_direct_serve_joined(rs_direct_t *d, double seconds) {
@@ -379,10 +419,12 @@ void rs_direct_serve_joined(rs_direct_t *d, double seconds) {
         int flags = theirs->meta.kind == RS_KIND_ALLREDUCE ? theirs->flags : POST_USE_ENGINE;
         fill_header(mine, theirs->name, &theirs->meta, theirs->bytes, flags);
         mine->name_hash = theirs->name_hash; /* the name may have been cut for messages */
-        if (theirs->flags & POST_DATA)
+        if (flags & POST_DATA)
             memset(mine->data, 0, theirs->bytes);
         publish(d, &mine->seq, seq);
         d->seq = seq;
+        if (flags & POST_STAGED)
+            stage_zeros(d, &theirs->meta, theirs->bytes);
     }
     doze(d, seconds, next_posted_by_any, d->seq + 1);
     pthread_mutex_unlock(&d->mu);
@@ -392,6 +434,7 @@ void rs_direct_serve_joined(rs_direct_t *d, double seconds) {
 
 /* Chunks small enough that the staging slots stay in cache while every rank reads them. */
 #define STAGE_CHUNK_BYTES ((size_t)256 << 10)
+_Static_assert(STAGE_CHUNK_BYTES <= RS_DIRECT_MAX_BYTES, "a staged chunk fits a post");
 
 /* Elements [*lo, *lo + *n) of a chunk of `count` are rank r's to reduce. */
 static void slice_of(size_t count, int size, int r, size_t *lo, size_t *n) {
@@ -455,18 +498,23 @@ static rs_status_t staged_chunk(rs_direct_t *d, const char *send, char *recv, si
     return RS_OK;
 }
 
-rs_status_t rs_direct_staged_allreduce(rs_direct_t *d, const void *sendbuf, void *recvbuf,
-                                       size_t count, rs_dtype_t dtype, rs_op_t op,
-                                       double prescale, double postscale, char *error,
-                                       size_t cap) {
-    reduction_t red = {dtype, op, prescale, postscale, rs_dtype_size(dtype),
-                       rs_reduce_kernel(dtype, op)};
+static rs_status_t staged_allreduce(rs_direct_t *d, const void *sendbuf, void *recvbuf,
+                                    size_t count, const rs_meta_t *meta, const waiting_t *w,
+                                    char *error, size_t cap) {
+    reduction_t red = {meta->dtype, meta->op, meta->prescale, meta->postscale,
+                       rs_dtype_size(meta->dtype), rs_reduce_kernel(meta->dtype, meta->op)};
     size_t chunk = STAGE_CHUNK_BYTES / red.elem;
-    waiting_t w = {NULL, RS_KIND_ALLREDUCE, NULL};
     for (size_t at = 0; at < count; at += chunk) {
         size_t n = count - at < chunk ? count - at : chunk;
         RS_CHECK(staged_chunk(d, (const char *)sendbuf + at * red.elem,
-                              (char *)recvbuf + at * red.elem, n, &red, &w, error, cap));
+                              (char *)recvbuf + at * red.elem, n, &red, w, error, cap));
     }
     return RS_OK;
+}
+
+rs_status_t rs_direct_staged_allreduce(rs_direct_t *d, const void *sendbuf, void *recvbuf,
+                                       size_t count, const rs_meta_t *meta, char *error,
+                                       size_t cap) {
+    waiting_t w = {NULL, RS_KIND_ALLREDUCE, NULL};
+    return staged_allreduce(d, sendbuf, recvbuf, count, meta, &w, error, cap);
 }

@@ -153,8 +153,7 @@ rs_status_t rs_direct_run(rs_direct_t *d, const char *name, const rs_meta_t *met
  * rank's chunk, then copies the others' reduced slices (one thread per rank, in an order
  * the ranks agreed on: the engine's executor, after negotiation). */
 rs_status_t rs_direct_staged_allreduce(rs_direct_t *d, const void *sendbuf, void *recvbuf,
-                                       size_t count, rs_dtype_t dtype, rs_op_t op,
-                                       double prescale, double postscale, char *error,
+                                       size_t count, const rs_meta_t *meta, char *error,
                                        size_t cap);
 /* A joined rank: post zeros for every allreduce the others have posted, then sleep up to
  * `seconds` for the next post. */

@@ -45,8 +45,8 @@ static rs_status_t reduce_buffer(rs_executor_t *x, const void *send, void *recv,
         return rs_allreduce(x->comm, send, recv, count, m->dtype, m->op, m->prescale,
                             m->postscale);
     char error[RS_ERROR_LEN] = "";
-    rs_status_t st = rs_direct_staged_allreduce(x->staged, send, recv, count, m->dtype, m->op,
-                                                m->prescale, m->postscale, error, sizeof error);
+    rs_status_t st = rs_direct_staged_allreduce(x->staged, send, recv, count, m, error,
+                                                sizeof error);
     if (st != RS_OK && error[0])
         rs_fail(x->comm, st, "%s", error);
     return st;

@@ -57,7 +57,7 @@ rs_status_t rs_shm_setup(rs_comm_t *comm, uint64_t token, int required);
 /* The same-host fast lane (direct.c) keeps RS_DIRECT_AREAS areas of this many bytes at the
  * end of every rank's shared segment; rs_shm_direct_area finds one (valid only where
  * rs_shm_all_local: every peer on this host). */
-#define RS_DIRECT_MAX_BYTES ((size_t)1 << 20)
+#define RS_DIRECT_MAX_BYTES ((size_t)256 << 10) /* a one-round post, a staged chunk */
 #define RS_DIRECT_AREA_BYTES (2 * (RS_DIRECT_MAX_BYTES + 512) + 128)
 #define RS_DIRECT_AREAS 2 /* the lane's (calling threads), the engine thread's */
 int rs_shm_all_local(const rs_comm_t *comm);

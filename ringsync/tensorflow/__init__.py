@@ -36,14 +36,15 @@ def _host(t) -> np.ndarray:
 
 
 def _run(fn, tensors, out_dtypes, what):
-    """Run fn(*numpy arrays) -> array(s) now (eager) or as a py_function (graph)."""
+    """Run fn(*numpy arrays, urgent=eager) -> array(s) now (eager) or as a py_function
+    (graph); see _collective."""
     if tf.executing_eagerly():
-        out = fn(*[_host(t) for t in tensors])
+        out = fn(*[_host(t) for t in tensors], urgent=True)
         return [tf.convert_to_tensor(o) for o in out] if isinstance(out, list) else \
             tf.convert_to_tensor(out)
 
     def call(*args):
-        return fn(*[_host(a) for a in args])
+        return fn(*[_host(a) for a in args], urgent=False)
 
     return tf.py_function(call, list(tensors), out_dtypes, name=f"ringsync_{what}")
 
@@ -54,11 +55,14 @@ def _check_differentiable(op, what):
                          f"{ReduceOp(op).name.title()} reduction is not defined")
 
 
-def _engine(start, *args):
-    """Run a collective through the engine, never the same-host lane: TensorFlow may run
-    several py_functions at once, in a different order on each rank, and the engine
+def _collective(method, urgent, *args):
+    """Run one of the Communicator's _async methods to completion. urgent: the call was
+    made eagerly, in program order, so it is a blocking call like the numpy API's (on one
+    host it takes the same-host lane). Inside a graph TensorFlow may run several
+    py_functions at once, in a different order on each rank: those go to the engine, which
     matches them by name."""
-    return _rs.synchronize(start(*args))
+    comm = _rs._comm()
+    return comm.synchronize(getattr(comm, method)(*args, _urgent=urgent))
 
 
 def _grad_name(name):
@@ -71,7 +75,8 @@ def allreduce(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, nam
     name = _name(name, "allreduce")
 
     def reduce(t, n):
-        y = _run(lambda a: _engine(_rs.allreduce_async, a, op, prescale_factor, postscale_factor, n), [t],
+        y = _run(lambda a, urgent: _collective("allreduce_async", urgent, a, op, prescale_factor,
+                                                     postscale_factor, n), [t],
                  t.dtype, "allreduce")
         y.set_shape(t.shape)
         return y
@@ -92,8 +97,9 @@ def grouped_allreduce(tensors, op=Average, prescale_factor=1.0, postscale_factor
     if not xs:
         return []
     name = _name(name, "grouped_allreduce")
-    out = _run(lambda *arrays: list(_engine(_rs.grouped_allreduce_async, list(arrays), op,
-                                               prescale_factor, postscale_factor, name)),
+    out = _run(lambda *arrays, urgent: list(_collective(
+                   "grouped_allreduce_async", urgent, list(arrays), op, prescale_factor,
+                   postscale_factor, name)),
                xs, [x.dtype for x in xs], "grouped_allreduce")
     for y, x in zip(out, xs):
         y.set_shape(x.shape)
@@ -106,7 +112,7 @@ def allgather(tensor, name=None):
     name = _name(name, "allgather")
 
     def gather(t, n):
-        y = _run(lambda a: _engine(_rs.allgather_async, a, n), [t], t.dtype, "allgather")
+        y = _run(lambda a, urgent: _collective("allgather_async", urgent, a, n), [t], t.dtype, "allgather")
         y.set_shape([None] + t.shape[1:].as_list() if t.shape.rank else [None])
         return y
 
@@ -133,7 +139,8 @@ def broadcast(tensor, root_rank, name=None):
 
     @tf.custom_gradient
     def fn(t):
-        y = _run(lambda a: _engine(_rs.broadcast_async, a, root_rank, name), [t], t.dtype, "broadcast")
+        y = _run(lambda a, urgent: _collective("broadcast_async", urgent, a, root_rank, name),
+                 [t], t.dtype, "broadcast")
         y.set_shape(t.shape)
 
         def grad(dy):
@@ -148,7 +155,8 @@ def broadcast(tensor, root_rank, name=None):
 def reducescatter(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None):
     x = tf.convert_to_tensor(tensor)
     name = _name(name, "reducescatter")
-    y = _run(lambda a: _engine(_rs.reducescatter_async, a, op, prescale_factor, postscale_factor, name), [x],
+    y = _run(lambda a, urgent: _collective("reducescatter_async", urgent, a, op,
+                                                 prescale_factor, postscale_factor, name), [x],
              x.dtype, "reducescatter")
     y.set_shape([None] + x.shape[1:].as_list())
     return y
@@ -160,11 +168,12 @@ def alltoall(tensor, splits=None, name=None):
     x = tf.convert_to_tensor(tensor)
     name = _name(name, "alltoall")
     if splits is None:
-        y = _run(lambda a: _engine(_rs.alltoall_async, a, None, name), [x], x.dtype, "alltoall")
+        y = _run(lambda a, urgent: _collective("alltoall_async", urgent, a, None, name), [x],
+                 x.dtype, "alltoall")
         y.set_shape([None] + x.shape[1:].as_list())
         return y
     s = tf.convert_to_tensor(splits, dtype=tf.int64)
-    y, received = _run(lambda a, sp: list(_engine(_rs.alltoall_async, a, sp, name)), [x, s],
+    y, received = _run(lambda a, sp, urgent: list(_collective("alltoall_async", urgent, a, sp, name)), [x, s],
                        [x.dtype, tf.int64], "alltoall")
     y.set_shape([None] + x.shape[1:].as_list())
     received.set_shape([None])

@@ -1,5 +1,10 @@
 """Collectives on torch tensors (Horovod's horovod.torch.mpi_ops names), synchronous,
-asynchronous and in place; allreduce, allgather and broadcast are differentiable."""
+asynchronous and in place; allreduce, allgather and broadcast are differentiable.
+
+The synchronous calls (and the differentiable ones' forward and backward passes, which
+wait too) are blocking calls in the core's sense (_urgent): with every rank on one host
+they take the same-host lane, exactly as the numpy API's and eager TensorFlow's do, so
+that ranks of different frameworks meet there."""
 from typing import Optional
 
 import numpy as np
@@ -33,22 +38,24 @@ def _in_place(submit, tensor: torch.Tensor, what: str) -> Handle:
     return handle.then(copy_back)
 
 
-def allreduce_async_(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None):
+def allreduce_async_(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None,
+                     _urgent=False):
     return _in_place(lambda a: _comm().allreduce_async_(a, op, prescale_factor, postscale_factor,
-                                                        name), tensor, "allreduce_async_")
+                                                        name, _urgent), tensor, "allreduce_async_")
 
 
 def allreduce_(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None):
-    return synchronize(allreduce_async_(tensor, op, prescale_factor, postscale_factor, name))
+    return synchronize(allreduce_async_(tensor, op, prescale_factor, postscale_factor, name,
+                                        _urgent=True))
 
 
-def broadcast_async_(tensor, root_rank, name=None):
-    return _in_place(lambda a: _comm().broadcast_async_(a, root_rank, name), tensor,
+def broadcast_async_(tensor, root_rank, name=None, _urgent=False):
+    return _in_place(lambda a: _comm().broadcast_async_(a, root_rank, name, _urgent), tensor,
                      "broadcast_async_")
 
 
 def broadcast_(tensor, root_rank, name=None):
-    return synchronize(broadcast_async_(tensor, root_rank, name))
+    return synchronize(broadcast_async_(tensor, root_rank, name, _urgent=True))
 
 
 def grouped_allreduce_async_(tensors, op=Average, prescale_factor=1.0, postscale_factor=1.0,
@@ -79,9 +86,10 @@ def _out_of_place(submit, tensor, what):
     return submit(arr).then(lambda result: result_like(result, tensor))
 
 
-def allreduce_async(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None):
+def allreduce_async(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None,
+                    _urgent=False):
     return _out_of_place(lambda a: _comm().allreduce_async(a, op, prescale_factor,
-                                                           postscale_factor, name),
+                                                           postscale_factor, name, _urgent),
                          tensor, "allreduce_async")
 
 
@@ -92,26 +100,28 @@ def grouped_allreduce_async(tensors, op=Average, prescale_factor=1.0, postscale_
     return handle.then(lambda results: [result_like(r, t) for r, t in zip(results, tensors)])
 
 
-def allgather_async(tensor, name=None):
-    return _out_of_place(lambda a: _comm().allgather_async(a, name), tensor, "allgather_async")
+def allgather_async(tensor, name=None, _urgent=False):
+    return _out_of_place(lambda a: _comm().allgather_async(a, name, _urgent), tensor,
+                         "allgather_async")
 
 
-def broadcast_async(tensor, root_rank, name=None):
-    return _out_of_place(lambda a: _comm().broadcast_async(a, root_rank, name), tensor,
+def broadcast_async(tensor, root_rank, name=None, _urgent=False):
+    return _out_of_place(lambda a: _comm().broadcast_async(a, root_rank, name, _urgent), tensor,
                          "broadcast_async")
 
 
-def reducescatter_async(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None):
+def reducescatter_async(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None,
+                        _urgent=False):
     return _out_of_place(lambda a: _comm().reducescatter_async(a, op, prescale_factor,
-                                                               postscale_factor, name),
+                                                               postscale_factor, name, _urgent),
                          tensor, "reducescatter_async")
 
 
-def alltoall_async(tensor, splits=None, name=None):
+def alltoall_async(tensor, splits=None, name=None, _urgent=False):
     if isinstance(splits, torch.Tensor):
         splits = splits.detach().cpu().numpy()
     arr, _ = host_view(tensor, "alltoall_async")
-    handle = _comm().alltoall_async(arr, splits, name)
+    handle = _comm().alltoall_async(arr, splits, name, _urgent)
     if splits is None:
         return handle.then(lambda out: result_like(out, tensor))
     return handle.then(lambda res: (result_like(res[0], tensor), torch.from_numpy(res[1])))
@@ -143,7 +153,7 @@ class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, op, prescale, postscale, name):
         ctx.args = (op, prescale, postscale, name)
-        return synchronize(allreduce_async(tensor, op, prescale, postscale, name))
+        return synchronize(allreduce_async(tensor, op, prescale, postscale, name, _urgent=True))
 
     @staticmethod
     def backward(ctx, grad):
@@ -160,7 +170,7 @@ class _Allgather(torch.autograd.Function):
     def forward(ctx, tensor, name):
         ctx.rows = tensor.shape[0] if tensor.dim() else 1
         ctx.shape, ctx.name = tensor.shape, name
-        return synchronize(allgather_async(tensor, name))
+        return synchronize(allgather_async(tensor, name, _urgent=True))
 
     @staticmethod
     def backward(ctx, grad):
@@ -179,7 +189,7 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, root_rank, name):
         ctx.root, ctx.name = root_rank, name
-        return synchronize(broadcast_async(tensor, root_rank, name))
+        return synchronize(broadcast_async(tensor, root_rank, name, _urgent=True))
 
     @staticmethod
     def backward(ctx, grad):
@@ -191,7 +201,8 @@ def allreduce(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, nam
     """A new tensor: tensor reduced over all ranks. Differentiable for Sum and Average."""
     if tensor.requires_grad and torch.is_grad_enabled():
         return _Allreduce.apply(tensor, op, prescale_factor, postscale_factor, name)
-    return synchronize(allreduce_async(tensor, op, prescale_factor, postscale_factor, name))
+    return synchronize(allreduce_async(tensor, op, prescale_factor, postscale_factor, name,
+                                       _urgent=True))
 
 
 def grouped_allreduce(tensors, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None):
@@ -203,22 +214,23 @@ def allgather(tensor, name=None):
     """Every rank's tensor concatenated along the first dimension. Differentiable."""
     if tensor.requires_grad and torch.is_grad_enabled():
         return _Allgather.apply(tensor, name)
-    return synchronize(allgather_async(tensor, name))
+    return synchronize(allgather_async(tensor, name, _urgent=True))
 
 
 def broadcast(tensor, root_rank, name=None):
     """A new tensor with root_rank's values. Differentiable."""
     if tensor.requires_grad and torch.is_grad_enabled():
         return _Broadcast.apply(tensor, root_rank, name)
-    return synchronize(broadcast_async(tensor, root_rank, name))
+    return synchronize(broadcast_async(tensor, root_rank, name, _urgent=True))
 
 
 def reducescatter(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None):
-    return synchronize(reducescatter_async(tensor, op, prescale_factor, postscale_factor, name))
+    return synchronize(reducescatter_async(tensor, op, prescale_factor, postscale_factor, name,
+                                           _urgent=True))
 
 
 def alltoall(tensor, splits=None, name=None):
-    return synchronize(alltoall_async(tensor, splits, name))
+    return synchronize(alltoall_async(tensor, splits, name, _urgent=True))
 
 
 __all__ = [

@@ -320,15 +320,18 @@ def join_with_uneven_steps():
 
 def same_host_lane():
     """Blocking calls on the same-host lane: results against the reference for every
-    dtype (small, at the lane's limit, and above it, where the engine runs them), async
-    work in flight meanwhile, disagreements failing on every rank, and a joined rank
-    taking part with zeros in small and large allreduces."""
+    dtype (one round, staged, and above the lane's limit, where the engine runs them),
+    async work in flight meanwhile, disagreements failing on every rank, and a joined rank
+    taking part with zeros in one-round, staged and engine allreduces."""
     rs.init()
     me, size, last = rs.rank(), rs.size(), rs.size() - 1
     assert rs._comm()._lane == (size > 1), "every rank is on this host: the lane must be on"
-    limit = rs._comm().config.lane_bytes
+    limit, one_round = rs._comm().config.lane_bytes, rs._comm().config.small_allreduce_bytes
     for dtype in REDUCIBLE:
-        for n in (0, 1, 7, limit // np.dtype(dtype).itemsize, limit // np.dtype(dtype).itemsize + 5):
+        item = np.dtype(dtype).itemsize
+        # one round; staged (one chunk, several, not divisible by the ranks); the engine
+        for n in (0, 1, 7, one_round // item, one_round // item + 3, 70_001, limit // item,
+                  limit // item + 5):
             name = f"lane.{np.dtype(dtype).name}.{n}"
             inputs = [rank_input(r, (n,), dtype, "Sum", name) for r in range(size)]
             assert_reduced(rs.allreduce(inputs[me], op=rs.Sum, name=name), inputs, "Sum", what=name)
@@ -354,7 +357,7 @@ def same_host_lane():
     # Rank 0 runs out of data first: its zeros stand in, small and large.
     steps = 3 if me == 0 else 5
     for step in range(steps):
-        for n in (4, limit // 8 + 3):
+        for n in (4, 40_000, limit // 8 + 3):
             got = rs.allreduce(np.full(n, me + 1.0), op=rs.Sum, name=f"lane.join.{step}.{n}")
             active = [r for r in range(size) if step < (3 if r == 0 else 5)]
             assert np.all(got == sum(r + 1 for r in active)), (step, n, got[:3], active)

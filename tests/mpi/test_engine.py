@@ -23,7 +23,8 @@ def test_engine(body, np):
 @pytest.mark.parametrize("np", [2, 4])
 def test_same_host_lane(np):
     assert_mpi_ok(BODY + "same_host_lane", np=np, timeout=180,
-                  env={"RINGSYNC_TIMEOUT_SECONDS": "60", "RINGSYNC_TRANSPORT": "shm"})
+                  env={"RINGSYNC_TIMEOUT_SECONDS": "60", "RINGSYNC_TRANSPORT": "shm",
+                       "RINGSYNC_LANE_BYTES": str(1 << 20)})
 
 
 @pytest.mark.parametrize("np", [2, 3])
