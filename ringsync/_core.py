@@ -8,6 +8,7 @@ import dataclasses
 import itertools
 import os
 import socket
+import threading
 from typing import Callable, List, Optional, Sequence
 
 import numpy as np
@@ -48,9 +49,14 @@ def as_op(op, what: str) -> int:
                          f"{', '.join(o.name.title() for o in ReduceOp)}") from None
 
 
-def _cores() -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return cores or 1
+def _cores_per_local_rank(local_size: int) -> float:
+    """Cores this rank may count on. A rank bound to one core (Open MPI binds each of two
+    ranks to its own core) has that core to itself when the host has a core per rank."""
+    host = os.cpu_count() or 1
+    own = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else host
+    if own == 1 and host >= local_size:
+        return 1.0
+    return own / local_size
 
 
 def even_split(n: int, parts: int) -> Sequence[int]:
@@ -133,6 +139,7 @@ class Communicator:
         self._c = ffi.NULL
         self._engine = ffi.NULL
         self._lane = False
+        self._lane_local = threading.local()
         self._auto_names = itertools.count()
         try:
             self._connect()
@@ -163,14 +170,14 @@ class Communicator:
         allreduce and made training steps slower."""
         if self.config.spin_us >= 0:
             return min(self.config.spin_us, 1e6) * 1e-6
-        return 20e-6 if _cores() >= 2 * self.topology.local_size else 0.0
+        return 20e-6 if _cores_per_local_rank(self.topology.local_size) >= 2 else 0.0
 
     def _lane_spin_seconds(self) -> float:
         """The lane's waits run on the calling thread while the engine thread sleeps: one
         busy thread per rank, so spinning pays where each local rank has a core."""
         if self.config.lane_spin_us >= 0:
             return min(self.config.lane_spin_us, 1e6) * 1e-6
-        return 50e-6 if _cores() >= self.topology.local_size else 0.0
+        return 50e-6 if _cores_per_local_rank(self.topology.local_size) >= 1 else 0.0
 
     def _open_listener(self):
         """(this rank's PeerInfo, an error or None, whether it listens on all interfaces)."""
@@ -238,6 +245,7 @@ class Communicator:
             raise cls(f"ringsync.init: {what} failed: " + "; ".join(text for _, text in failed))
 
     def _destroy_native(self):
+        self._lane = False
         if self._engine != ffi.NULL:
             lib.rs_engine_destroy(self._engine)
             self._engine = ffi.NULL
@@ -316,10 +324,12 @@ class Communicator:
         as long as ranks make their unnamed calls in the same order, as Horovod's do)."""
         return str(name) if name is not None else f"{what}.noname.{next(self._auto_names)}"
 
-    def _submit(self, requests: List[_Request], finish: Callable, what: str) -> Handle:
+    def _submit(self, requests: List[_Request], finish: Callable, what: str,
+                try_lane: bool = True) -> Handle:
         """Hand requests to the engine. A blocking call (one urgent request) tries the
-        same-host lane first, which runs small allreduces and barriers itself."""
-        if self._lane and len(requests) == 1 and requests[0].urgent and not self.closed:
+        same-host lane first, which runs allreduces and barriers itself."""
+        if try_lane and self._lane and len(requests) == 1 and requests[0].urgent and \
+                not self.closed:
             if self._run_on_lane(requests[0], what):  # done: synchronize only finishes it
                 return Handle(self, [], None, finish, what, [requests[0].name])
         n = len(requests)
@@ -344,10 +354,13 @@ class Communicator:
         ran = ffi.new("int *")
         status = lib.rs_engine_try_lane(self._engine, request.name.encode(), struct, ran)
         if status != lib.RS_OK:
-            detail = ffi.string(lib.rs_engine_last_error(self._engine)).decode()
-            raise _STATUS_ERRORS.get(status, CommunicationError)(
-                f"ringsync.{what}{describe(request.name)} failed on rank {self._rank}: {detail}")
+            self._raise_lane_error(status, request.name, what)
         return bool(ran[0])
+
+    def _raise_lane_error(self, status, name, what):
+        detail = ffi.string(lib.rs_engine_last_error(self._engine)).decode()
+        raise _STATUS_ERRORS.get(status, CommunicationError)(
+            f"ringsync.{what}{describe(name)} failed on rank {self._rank}: {detail}")
 
     def _request(self, what, kind, name, src, out, *, op=0, prescale=1.0, postscale=1.0,
                  root=0, splits=None, reduces=False, urgent=False) -> _Request:
@@ -420,10 +433,34 @@ class Communicator:
                                _urgent)
 
     def _allreduce(self, src, out, op, prescale, postscale, name, what, urgent):
-        request = self._request(what, lib.RS_KIND_ALLREDUCE, self._name(name, "allreduce"), src,
-                                out, op=as_op(op, what), prescale=prescale, postscale=postscale,
-                                reduces=True, urgent=urgent)
-        return self._submit([request], lambda: out, what)
+        name, code = self._name(name, "allreduce"), as_op(op, what)
+        if urgent and self._lane and self._lane_allreduce(src, out, name, code, prescale,
+                                                          postscale, what):
+            return Handle(self, [], None, lambda: out, what, [name])
+        request = self._request(what, lib.RS_KIND_ALLREDUCE, name, src, out, op=code,
+                                prescale=prescale, postscale=postscale, reduces=True,
+                                urgent=urgent)
+        return self._submit([request], lambda: out, what, try_lane=False)
+
+    def _lane_allreduce(self, src, out, name, code, prescale, postscale, what) -> bool:
+        """_run_on_lane for an allreduce, without the request object: a small blocking
+        allreduce costs a few microseconds, so the Python around it counts."""
+        if src.ndim > lib.RS_MAX_DIMS or self.closed:
+            return False  # the engine path reports it
+        local = self._lane_local
+        if not hasattr(local, "request"):  # one per thread: blocking calls may come from several
+            local.request, local.ran = ffi.new("rs_request_t *"), ffi.new("int *")
+        s = local.request
+        s.kind, s.dtype, s.op = lib.RS_KIND_ALLREDUCE, dtype_code(src, what, name, True), code
+        s.prescale, s.postscale, s.ndim = prescale, postscale, src.ndim
+        s.shape[0:src.ndim] = src.shape
+        send = ffi.from_buffer(src)
+        recv = send if out is src else ffi.from_buffer(out)
+        s.sendbuf, s.recvbuf = send, recv
+        status = lib.rs_engine_try_lane(self._engine, name.encode(), s, local.ran)
+        if status != lib.RS_OK:
+            self._raise_lane_error(status, name, what)
+        return bool(local.ran[0])
 
     def allreduce(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
                   name=None):

@@ -470,7 +470,7 @@ rs_status_t rs_engine_create(rs_comm_t *comm, const rs_engine_config_t *config,
         e->direct = rs_direct_create(comm, 0, config->lane_spin_seconds,
                                      config->stall_check_seconds, (size_t)config->lane_max_bytes);
     if (config->staged_min_bytes > 0) {
-        e->executor.staged = rs_direct_create(comm, 1, config->lane_spin_seconds, 0, 0);
+        e->executor.staged = rs_direct_create(comm, 1, comm->spin_seconds, 0, 0);
         e->executor.staged_min_bytes = (size_t)config->staged_min_bytes;
     }
     comm->wake_fd = e->wake[0];
