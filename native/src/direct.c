@@ -391,12 +391,14 @@ static int next_posted_by_any(const rs_direct_t *d, uint64_t seq) {
     return 0;
 }
 
-/* A joined rank's part in a staged allreduce: zeros in, the result dropped. A failure is
- * left for the ranks that made the call, and for the engine, to report. */
+/* A joined rank's part in a staged allreduce: zeros in, the result dropped. Like the
+ * callers, it first waits for every header: its slots may be reused only once every rank
+ * has read its previous posts. A failure is left for the callers, and for the engine, to
+ * report. */
 static void stage_zeros(rs_direct_t *d, const rs_meta_t *meta, size_t bytes) {
     char *zeros = calloc(1, bytes), *out = malloc(bytes), error[RS_ERROR_LEN];
     waiting_t w = {"(joined)", RS_KIND_ALLREDUCE, NULL};
-    if (zeros && out)
+    if (zeros && out && wait_for(d, all_posted, d->seq, &w, error, sizeof error) == RS_OK)
         staged_allreduce(d, zeros, out, bytes / rs_dtype_size(meta->dtype), meta, &w, error,
                          sizeof error);
     free(zeros);
