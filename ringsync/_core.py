@@ -115,6 +115,19 @@ def _fill(s, r: _Request):
     return send, recv, r
 
 
+class PreparedAllreduce:
+    """See Communicator.prepare_allreduce_: a request built once, submitted many times."""
+
+    __slots__ = ("comm", "name", "dtype", "shape", "name_c", "names", "struct", "ids")
+
+    def __init__(self, comm, name, dtype, shape):
+        self.comm, self.name, self.dtype, self.shape = comm, name, dtype, tuple(shape)
+        self.name_c = ffi.new("char[]", name.encode())
+        self.names = ffi.new("const char *[1]")
+        self.struct = ffi.new("rs_request_t *")
+        self.ids = ffi.new("int64_t[1]")
+
+
 class Communicator:
     """A ring of ranks built over an mpi4py intracommunicator, with its engine.
 
@@ -339,9 +352,7 @@ class Communicator:
         ids = ffi.new("int64_t[]", n)
         status = lib.rs_engine_submit(self._engine, ffi.new("const char *[]", names), structs, n, ids)
         if status != lib.RS_OK:
-            detail = ffi.string(lib.rs_engine_last_error(self._engine)).decode()
-            raise _STATUS_ERRORS.get(status, CommunicationError)(
-                f"ringsync.{what} failed on rank {self._rank}: {detail}")
+            self._raise_submit_error(status, what)
         return Handle(self, list(ids), keep, finish, what, [r.name for r in requests])
 
     def _run_on_lane(self, request: _Request, what: str) -> bool:
@@ -383,7 +394,10 @@ class Communicator:
         if handle._comm is not self or self.closed:
             raise UsageError(f"ringsync.synchronize: handle {handle!r} does not belong to the "
                              "current (open) communicator")
-        done = ffi.new("int *")
+        local = self._lane_local
+        if not hasattr(local, "done"):
+            local.done = ffi.new("int *")
+        done = local.done
         statuses = []
         for h in handle._ids:
             status = lib.rs_engine_wait(self._engine, h, _WAIT_SLICE_SECONDS, done)
@@ -441,6 +455,40 @@ class Communicator:
                                 prescale=prescale, postscale=postscale, reduces=True,
                                 urgent=urgent)
         return self._submit([request], lambda: out, what, try_lane=False)
+
+    # ---- one tensor reduced in place, step after step, under one name ----
+
+    def prepare_allreduce_(self, name: str, like: np.ndarray, op=ReduceOp.AVERAGE,
+                           prescale_factor=1.0, postscale_factor=1.0) -> "PreparedAllreduce":
+        """Everything about an in-place allreduce but the memory: start_prepared(prepared,
+        address) then submits it without building a request again (a DistributedOptimizer
+        submits every gradient of every step this way). like: an array with the tensor's
+        dtype and shape."""
+        request = self._request("allreduce_", lib.RS_KIND_ALLREDUCE, str(name), like, like,
+                                op=as_op(op, "allreduce_"), prescale=prescale_factor,
+                                postscale=postscale_factor, reduces=True)
+        prepared = PreparedAllreduce(self, request.name, like.dtype, like.shape)
+        _fill(prepared.struct, request)
+        prepared.names[0] = prepared.name_c
+        return prepared
+
+    def start_prepared(self, prepared: "PreparedAllreduce", address: int, keep) -> Handle:
+        """Reduce the prepared tensor in place at `address` (keep holds that memory alive
+        until synchronize); synchronize returns keep."""
+        if prepared.comm is not self or self.closed:
+            raise UsageError("ringsync.start_prepared: the allreduce was prepared for another "
+                             "(or a closed) communicator")
+        s = prepared.struct
+        s.sendbuf = s.recvbuf = ffi.cast("void *", address)
+        status = lib.rs_engine_submit(self._engine, prepared.names, s, 1, prepared.ids)
+        if status != lib.RS_OK:
+            self._raise_submit_error(status, "allreduce_")
+        return Handle(self, [prepared.ids[0]], keep, lambda: keep, "allreduce_", [prepared.name])
+
+    def _raise_submit_error(self, status, what):
+        detail = ffi.string(lib.rs_engine_last_error(self._engine)).decode()
+        raise _STATUS_ERRORS.get(status, CommunicationError)(
+            f"ringsync.{what} failed on rank {self._rank}: {detail}")
 
     def _lane_allreduce(self, src, out, name, code, prescale, postscale, what) -> bool:
         """_run_on_lane for an allreduce, without the request object: a small blocking

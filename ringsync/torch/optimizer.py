@@ -17,6 +17,7 @@ from ringsync import Average, ReduceOp
 from ringsync.errors import UsageError
 
 from . import mpi_ops
+from ._tensors import to_numpy
 from .compression import Compression
 
 _instances = itertools.count()  # names of unnamed optimizers, in construction order
@@ -41,7 +42,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._op = op
         self._predivide = gradient_predivide_factor
         self._names = self._parameter_names(named_parameters, next(_instances))
-        self._pending = {}  # parameter -> (handle, compression context)
+        self._pending = {}  # parameter -> (handle, wire tensor, compression context)
+        self._prepared = {}  # parameter -> (PreparedAllreduce, grad dtype, grad shape)
+        if ReduceOp(op) == ReduceOp.AVERAGE:
+            self._scale = dict(prescale_factor=1.0 / gradient_predivide_factor,
+                               postscale_factor=gradient_predivide_factor)
+        else:
+            self._scale = {}
         self._passes = {p: 0 for p in self._names}
         self._synchronized = False
         self._should_synchronize = True
@@ -120,14 +127,34 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _start_reduction(self, p):
         if p.grad is None:  # a parameter that took no part in this step on this rank
             p.grad = torch.zeros_like(p)
-        wire, ctx = self._compression.compress(p.grad)
-        if ReduceOp(self._op) == ReduceOp.AVERAGE:
-            scale = dict(prescale_factor=1.0 / self._predivide, postscale_factor=self._predivide)
+        handle = self._start_prepared(p)
+        if handle is not None:
+            self._pending[p] = (handle, p.grad, None)
         else:
-            scale = {}
-        handle = mpi_ops.allreduce_async_(wire, op=self._op, name=self._names[p], **scale)
-        self._pending[p] = (handle, wire, ctx)
+            wire, ctx = self._compression.compress(p.grad)
+            handle = mpi_ops.allreduce_async_(wire, op=self._op, name=self._names[p],
+                                              **self._scale)
+            self._pending[p] = (handle, wire, ctx)
         self._passes[p] = 0
+
+    def _start_prepared(self, p):
+        """The common case — an uncompressed, contiguous CPU gradient — submitted through a
+        request prepared once per parameter (per communicator: elastic recovery makes a
+        new one): a hook then costs a few microseconds instead of building a request.
+        None where the general path must run."""
+        grad = p.grad
+        if self._compression is not Compression.none or grad.device.type != "cpu" or \
+                not grad.is_contiguous() or grad.numel() == 0:
+            return None
+        comm = mpi_ops._comm()
+        cached = self._prepared.get(p)
+        if cached is None or cached[0].comm is not comm or cached[1] is not grad.dtype or \
+                cached[2] != grad.shape:
+            like = to_numpy(grad.detach(), "DistributedOptimizer")
+            cached = (comm.prepare_allreduce_(self._names[p], like, self._op, **self._scale),
+                      grad.dtype, grad.shape)
+            self._prepared[p] = cached
+        return comm.start_prepared(cached[0], grad.data_ptr(), grad)
 
     def synchronize(self):
         """Wait until every parameter's gradient holds its reduction over all ranks.
