@@ -21,7 +21,12 @@
  * handshake as the shm transport's doorbells). Asleep, a waiter looks every few
  * milliseconds at the engine's failure, its peers' sockets (death, abort), and the stall
  * and timeout deadlines. A rank that has joined takes part with zeros (engine.c calls
- * rs_direct_serve_joined while it waits for the join). */
+ * rs_direct_serve_joined while it waits for the join).
+ *
+ * The same slots carry the staged allreduce (bottom of this file), a reduce-scatter
+ * through shared memory in cache-sized chunks: the lane runs it for blocking allreduces
+ * above the one-round size, and the engine's executor, on an instance of its own (its own
+ * area of the segment), for large allreduces that negotiation has ordered. */
 #define _GNU_SOURCE
 #include <limits.h>
 #include <linux/futex.h>
