@@ -125,6 +125,28 @@ def run_mpi(
     check: raise AssertionError with the full report unless the job succeeded, or with
         ``expect_failure``, unless it failed (any rank not ok) without hitting the deadline.
     """
+    for _ in range(LAUNCH_ATTEMPTS):
+        result = _run_job(target, np, timeout, args, env, mpirun_args)
+        if not _launcher_failed(result):
+            break
+    if check:
+        check_result(result, expect_failure)
+    return result
+
+
+# Open MPI's launcher itself sometimes fails to start (seen: "The PMIx server's listener
+# thread failed to start", exit 213) before any rank runs; such a job is started again.
+LAUNCH_ATTEMPTS = 2
+LAUNCHER_FAILURES = ("PMIx server's listener thread failed to start",)
+
+
+def _launcher_failed(result: "MPIResult") -> bool:
+    return (result.returncode != 0 and not result.timed_out and
+            all(outcome == MISSING for outcome in result.outcomes.values()) and
+            any(text in result.output for text in LAUNCHER_FAILURES))
+
+
+def _run_job(target, np, timeout, args, env, mpirun_args) -> "MPIResult":
     resultdir = tempfile.mkdtemp(prefix="ringsync-mpi-")
     try:
         command = mpirun_command(np, list(mpirun_args), worker_command(resultdir, target, args))
@@ -156,8 +178,6 @@ def run_mpi(
         )
     finally:
         shutil.rmtree(resultdir, ignore_errors=True)
-    if check:
-        check_result(result, expect_failure)
     return result
 
 

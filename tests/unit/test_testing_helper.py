@@ -62,3 +62,16 @@ def test_hang_times_out_dumps_stacks_and_leaves_no_process():
     assert "timed out after 10s" in result.report()
     assert "rank0_waits_rank1_sleeps" in result.output  # the stack dump shows where it hung
     assert processes_matching(marker) == []
+
+
+def test_only_a_launcher_that_failed_to_start_is_retried():
+    from ringsync.testing import MPIResult, _launcher_failed
+
+    def result(returncode, output, outcomes, timed_out=False):
+        return MPIResult("t:f", 2, ["mpirun"], returncode, output, outcomes, timed_out, 10)
+
+    pmix = "The PMIx server's listener thread failed to start. We cannot\ncontinue."
+    assert _launcher_failed(result(213, pmix, {0: MISSING, 1: MISSING}))
+    assert not _launcher_failed(result(213, pmix, {0: OK, 1: MISSING}))  # a rank ran
+    assert not _launcher_failed(result(1, "Traceback ...", {0: MISSING, 1: MISSING}))
+    assert not _launcher_failed(result(0, pmix, {0: OK, 1: OK}))
