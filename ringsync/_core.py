@@ -118,10 +118,10 @@ def _fill(s, r: _Request):
 class PreparedAllreduce:
     """See Communicator.prepare_allreduce_: a request built once, submitted many times."""
 
-    __slots__ = ("comm", "name", "dtype", "shape", "name_c", "names", "struct", "ids")
+    __slots__ = ("comm", "name", "name_c", "names", "struct", "ids")
 
-    def __init__(self, comm, name, dtype, shape):
-        self.comm, self.name, self.dtype, self.shape = comm, name, dtype, tuple(shape)
+    def __init__(self, comm, name):
+        self.comm, self.name = comm, name
         self.name_c = ffi.new("char[]", name.encode())
         self.names = ffi.new("const char *[1]")
         self.struct = ffi.new("rs_request_t *")
@@ -152,7 +152,7 @@ class Communicator:
         self._c = ffi.NULL
         self._engine = ffi.NULL
         self._lane = False
-        self._lane_local = threading.local()
+        self._per_thread = threading.local()
         self._auto_names = itertools.count()
         try:
             self._connect()
@@ -337,12 +337,10 @@ class Communicator:
         as long as ranks make their unnamed calls in the same order, as Horovod's do)."""
         return str(name) if name is not None else f"{what}.noname.{next(self._auto_names)}"
 
-    def _submit(self, requests: List[_Request], finish: Callable, what: str,
-                try_lane: bool = True) -> Handle:
+    def _submit(self, requests: List[_Request], finish: Callable, what: str) -> Handle:
         """Hand requests to the engine. A blocking call (one urgent request) tries the
         same-host lane first, which runs allreduces and barriers itself."""
-        if try_lane and self._lane and len(requests) == 1 and requests[0].urgent and \
-                not self.closed:
+        if self._lane and len(requests) == 1 and requests[0].urgent and not self.closed:
             if self._run_on_lane(requests[0], what):  # done: synchronize only finishes it
                 return Handle(self, [], None, finish, what, [requests[0].name])
         n = len(requests)
@@ -352,7 +350,7 @@ class Communicator:
         ids = ffi.new("int64_t[]", n)
         status = lib.rs_engine_submit(self._engine, ffi.new("const char *[]", names), structs, n, ids)
         if status != lib.RS_OK:
-            self._raise_submit_error(status, what)
+            self._raise_engine_error(status, what)
         return Handle(self, list(ids), keep, finish, what, [r.name for r in requests])
 
     def _run_on_lane(self, request: _Request, what: str) -> bool:
@@ -365,13 +363,8 @@ class Communicator:
         ran = ffi.new("int *")
         status = lib.rs_engine_try_lane(self._engine, request.name.encode(), struct, ran)
         if status != lib.RS_OK:
-            self._raise_lane_error(status, request.name, what)
+            self._raise_engine_error(status, what, request.name)
         return bool(ran[0])
-
-    def _raise_lane_error(self, status, name, what):
-        detail = ffi.string(lib.rs_engine_last_error(self._engine)).decode()
-        raise _STATUS_ERRORS.get(status, CommunicationError)(
-            f"ringsync.{what}{describe(name)} failed on rank {self._rank}: {detail}")
 
     def _request(self, what, kind, name, src, out, *, op=0, prescale=1.0, postscale=1.0,
                  root=0, splits=None, reduces=False, urgent=False) -> _Request:
@@ -394,7 +387,7 @@ class Communicator:
         if handle._comm is not self or self.closed:
             raise UsageError(f"ringsync.synchronize: handle {handle!r} does not belong to the "
                              "current (open) communicator")
-        local = self._lane_local
+        local = self._per_thread
         if not hasattr(local, "done"):
             local.done = ffi.new("int *")
         done = local.done
@@ -447,14 +440,10 @@ class Communicator:
                                _urgent)
 
     def _allreduce(self, src, out, op, prescale, postscale, name, what, urgent):
-        name, code = self._name(name, "allreduce"), as_op(op, what)
-        if urgent and self._lane and self._lane_allreduce(src, out, name, code, prescale,
-                                                          postscale, what):
-            return Handle(self, [], None, lambda: out, what, [name])
-        request = self._request(what, lib.RS_KIND_ALLREDUCE, name, src, out, op=code,
-                                prescale=prescale, postscale=postscale, reduces=True,
-                                urgent=urgent)
-        return self._submit([request], lambda: out, what, try_lane=False)
+        request = self._request(what, lib.RS_KIND_ALLREDUCE, self._name(name, "allreduce"), src,
+                                out, op=as_op(op, what), prescale=prescale, postscale=postscale,
+                                reduces=True, urgent=urgent)
+        return self._submit([request], lambda: out, what)
 
     # ---- one tensor reduced in place, step after step, under one name ----
 
@@ -467,7 +456,7 @@ class Communicator:
         request = self._request("allreduce_", lib.RS_KIND_ALLREDUCE, str(name), like, like,
                                 op=as_op(op, "allreduce_"), prescale=prescale_factor,
                                 postscale=postscale_factor, reduces=True)
-        prepared = PreparedAllreduce(self, request.name, like.dtype, like.shape)
+        prepared = PreparedAllreduce(self, request.name)
         _fill(prepared.struct, request)
         prepared.names[0] = prepared.name_c
         return prepared
@@ -482,33 +471,13 @@ class Communicator:
         s.sendbuf = s.recvbuf = ffi.cast("void *", address)
         status = lib.rs_engine_submit(self._engine, prepared.names, s, 1, prepared.ids)
         if status != lib.RS_OK:
-            self._raise_submit_error(status, "allreduce_")
+            self._raise_engine_error(status, "allreduce_")
         return Handle(self, [prepared.ids[0]], keep, lambda: keep, "allreduce_", [prepared.name])
 
-    def _raise_submit_error(self, status, what):
+    def _raise_engine_error(self, status, what, name=None):
         detail = ffi.string(lib.rs_engine_last_error(self._engine)).decode()
         raise _STATUS_ERRORS.get(status, CommunicationError)(
-            f"ringsync.{what} failed on rank {self._rank}: {detail}")
-
-    def _lane_allreduce(self, src, out, name, code, prescale, postscale, what) -> bool:
-        """_run_on_lane for an allreduce, without the request object: a small blocking
-        allreduce costs a few microseconds, so the Python around it counts."""
-        if src.ndim > lib.RS_MAX_DIMS or self.closed:
-            return False  # the engine path reports it
-        local = self._lane_local
-        if not hasattr(local, "request"):  # one per thread: blocking calls may come from several
-            local.request, local.ran = ffi.new("rs_request_t *"), ffi.new("int *")
-        s = local.request
-        s.kind, s.dtype, s.op = lib.RS_KIND_ALLREDUCE, dtype_code(src, what, name, True), code
-        s.prescale, s.postscale, s.ndim = prescale, postscale, src.ndim
-        s.shape[0:src.ndim] = src.shape
-        send = ffi.from_buffer(src)
-        recv = send if out is src else ffi.from_buffer(out)
-        s.sendbuf, s.recvbuf = send, recv
-        status = lib.rs_engine_try_lane(self._engine, name.encode(), s, local.ran)
-        if status != lib.RS_OK:
-            self._raise_lane_error(status, name, what)
-        return bool(local.ran[0])
+            f"ringsync.{what}{describe(name)} failed on rank {self._rank}: {detail}")
 
     def allreduce(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
                   name=None):
