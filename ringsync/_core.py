@@ -194,8 +194,7 @@ class Communicator:
 
     def _open_listener(self):
         """(this rank's PeerInfo, an error or None, whether it listens on all interfaces)."""
-        me = bootstrap.PeerInfo(self.config.host_name or socket.gethostname(), "", 0,
-                                bootstrap.new_token())
+        me = bootstrap.PeerInfo(self.config.host_name or socket.gethostname(), "", 0)
         mode = _TRANSPORT_MODES.get(self.config.transport.lower())
         if mode is None:
             return me, ("usage", f"rank {self._rank}: RINGSYNC_TRANSPORT="
@@ -206,7 +205,8 @@ class Communicator:
             return me, ("usage", f"rank {self._rank}: {e}"), False
         cptr, port = ffi.new("rs_comm_t **"), ffi.new("int *")
         status = lib.rs_comm_create(self._rank, self._size, bind_host.encode(),
-                                    self.config.timeout_seconds, cptr, port)
+                                    self.config.timeout_seconds,
+                                    self.config.start_timeout_seconds, cptr, port)
         self._c = cptr[0]
         if status == lib.RS_OK:
             status = lib.rs_comm_set_transport(self._c, mode)
@@ -215,11 +215,13 @@ class Communicator:
 
     def _connect_ring(self, infos, my_host, bound_all):
         addresses = bootstrap.connect_addresses(infos, my_host, bound_all)
+        keys = self._mpi.bcast(bootstrap.JobKeys.new() if self._rank == 0 else None, root=0)
         keep = [ffi.new("char[]", s.encode()) for s in addresses + self.host_names]
         hosts, names = keep[: self._size], keep[self._size:]
         status = lib.rs_comm_connect(self._c, ffi.new("const char *[]", hosts),
                                      ffi.new("int[]", [p.port for p in infos]),
-                                     ffi.new("const char *[]", names), infos[0].token)
+                                     ffi.new("const char *[]", names), keys.job_id,
+                                     keys.secret, len(keys.secret))
         errors = self._mpi.allgather(self._error_text(status, "connecting the ring"))
         self._raise_if_any_failed(errors, "connecting the ring")
 

@@ -24,7 +24,19 @@ class PeerInfo:
     host_name: str
     address: str
     port: int
-    token: int
+
+
+@dataclass(frozen=True)
+class JobKeys:
+    """Made by rank 0 and handed to the others over MPI only. job_id is public (it names
+    shared segments); connections prove that they know `secret`, which never crosses the
+    ring's own sockets."""
+    job_id: int
+    secret: bytes
+
+    @classmethod
+    def new(cls) -> "JobKeys":
+        return cls(secrets.randbits(63), secrets.token_bytes(32))
 
 
 @dataclass(frozen=True)
@@ -78,10 +90,6 @@ def listen_addresses(iface) -> Tuple[str, str]:
         address = iface if _is_ip(iface) else _interface_ipv4(iface)
         return address, address
     return "", _routable_ipv4()
-
-
-def new_token() -> int:
-    return secrets.randbits(63)
 
 
 def connect_addresses(peers: Sequence[PeerInfo], my_host: str, bound_all: bool) -> List[str]:

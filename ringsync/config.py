@@ -9,8 +9,11 @@ from .errors import UsageError
 @dataclass(frozen=True)
 class Config:
     # RINGSYNC_TIMEOUT_SECONDS: longest wait without progress (or for other ranks to
-    # submit a tensor) before every pending request fails
-    timeout_seconds: float = 300.0
+    # submit a tensor) before every pending request fails; 0: no hard limit (the default,
+    # as in Horovod: stalls are reported, and a dead peer is noticed through its socket)
+    timeout_seconds: float = 0.0
+    # RINGSYNC_START_TIMEOUT_SECONDS: longest time init() may take to connect the ring
+    start_timeout_seconds: float = 120.0
     # RINGSYNC_IFACE: interface name or IP address to listen on and advertise
     iface: Optional[str] = None
     # RINGSYNC_FUSION_THRESHOLD: bytes of allreduces fused into one ring pass (0: off)
@@ -79,6 +82,7 @@ def _parse(field: str, text: str, default):
         value = kind(text)
     except ValueError:
         raise UsageError(f"{name}={text!r} is not {'a whole number' if kind is int else 'a number'}") from None
-    if value < 0 or (value == 0 and field == "timeout_seconds"):
-        raise UsageError(f"{name}={text!r} must be {'positive' if field == 'timeout_seconds' else 'zero or more'}")
+    positive = field == "start_timeout_seconds"
+    if value != value or value < 0 or (value == 0 and positive):  # (value != value: NaN)
+        raise UsageError(f"{name}={text!r} must be {'positive' if positive else 'zero or more'}")
     return value

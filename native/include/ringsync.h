@@ -50,14 +50,19 @@ size_t rs_dtype_size(rs_dtype_t dtype);
 /* --- communicator lifecycle (bootstrap hands in addresses; no MPI here) --- */
 
 /* Create a communicator for `rank` of `size` and open its listening socket on
- * bind_host (numeric IPv4/IPv6; "" = all interfaces). The chosen port is returned. */
+ * bind_host (numeric IPv4/IPv6; "" = all interfaces). The chosen port is returned.
+ * timeout_seconds: longest wait without progress once connected (0: no limit; a dead
+ * peer is still noticed through its socket). Connecting is bounded by setup_seconds. */
 rs_status_t rs_comm_create(int rank, int size, const char *bind_host, double timeout_seconds,
-                           rs_comm_t **out_comm, int *out_port);
+                           double setup_seconds, rs_comm_t **out_comm, int *out_port);
 /* Connect to every peer. hosts[i]/ports[i] say where rank i listens; host_names[i] is the
- * peer's host name, used only in error messages. `token` identifies this job so that a
- * stray connection is rejected. */
+ * peer's host name, used only in error messages. job_id is public (it names shared
+ * segments); `secret` (secret_len bytes, 16 to 64, the same on every rank, handed out
+ * over MPI) is what a connection proves it knows, by challenge and response in both
+ * directions: it never crosses the wire. */
 rs_status_t rs_comm_connect(rs_comm_t *comm, const char **hosts, const int *ports,
-                            const char **host_names, uint64_t token);
+                            const char **host_names, uint64_t job_id,
+                            const unsigned char *secret, size_t secret_len);
 /* Which transport rs_comm_connect sets up: shared memory with same-host peers and TCP
  * with the others (AUTO, the default), TCP only, or shared memory only (every peer must
  * be on this host). Call before rs_comm_connect. */

@@ -1,5 +1,6 @@
 /* Communicator lifecycle, error recording and the transfer progress loop. */
 #define _GNU_SOURCE
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -45,15 +46,17 @@ rs_status_t rs_scratch(rs_comm_t *comm, size_t bytes, void **out) {
 }
 
 rs_status_t rs_comm_create(int rank, int size, const char *bind_host, double timeout_seconds,
-                           rs_comm_t **out_comm, int *out_port) {
-    if (size < 1 || rank < 0 || rank >= size || !out_comm || !out_port)
+                           double setup_seconds, rs_comm_t **out_comm, int *out_port) {
+    if (size < 1 || rank < 0 || rank >= size || !out_comm || !out_port ||
+        !(timeout_seconds >= 0) || !(setup_seconds > 0))
         return RS_ERR_USAGE;
     rs_comm_t *comm = calloc(1, sizeof *comm);
     if (!comm)
         return RS_ERR_NOMEM;
     comm->rank = rank;
     comm->size = size;
-    comm->timeout_seconds = timeout_seconds > 0 ? timeout_seconds : 300.0;
+    comm->timeout_seconds = timeout_seconds;
+    comm->setup_seconds = setup_seconds;
     comm->transport = &rs_tcp_transport;
     comm->wake_fd = -1;
     comm->host_names = calloc((size_t)size, sizeof *comm->host_names);
@@ -66,17 +69,24 @@ rs_status_t rs_comm_create(int rank, int size, const char *bind_host, double tim
 }
 
 rs_status_t rs_comm_connect(rs_comm_t *comm, const char **hosts, const int *ports,
-                            const char **host_names, uint64_t token) {
+                            const char **host_names, uint64_t job_id,
+                            const unsigned char *secret, size_t secret_len) {
+    if (!secret || secret_len < 16 || secret_len > RS_SECRET_MAX)
+        return rs_fail(comm, RS_ERR_USAGE, "the job secret must have 16 to %d bytes, not %zu",
+                       RS_SECRET_MAX, secret_len);
+    comm->job_id = job_id;
+    memcpy(comm->secret, secret, secret_len);
+    comm->secret_len = secret_len;
     for (int i = 0; i < comm->size; i++) {
         free(comm->host_names[i]);
         comm->host_names[i] = strdup(host_names && host_names[i] ? host_names[i] : hosts[i]);
         if (!comm->host_names[i])
             return rs_fail(comm, RS_ERR_NOMEM, "out of memory");
     }
-    RS_CHECK(comm->transport->connect(comm, hosts, ports, token));
+    RS_CHECK(comm->transport->connect(comm, hosts, ports));
     if (comm->transport_mode == RS_TRANSPORT_TCP || comm->size == 1)
         return RS_OK;
-    return rs_shm_setup(comm, token, comm->transport_mode == RS_TRANSPORT_SHM);
+    return rs_shm_setup(comm, comm->transport_mode == RS_TRANSPORT_SHM);
 }
 
 rs_status_t rs_comm_set_transport(rs_comm_t *comm, int mode) {
@@ -224,7 +234,7 @@ rs_status_t rs_progress(rs_comm_t *comm, rs_xfer_t *xfers, int n) {
         double now = rs_now();
         if (moved)
             last_move = now;
-        double deadline = last_move + comm->timeout_seconds;
+        double deadline = comm->timeout_seconds > 0 ? last_move + comm->timeout_seconds : HUGE_VAL;
         if (lost_peer >= 0 && hangup_at + RS_HANGUP_GRACE_SECONDS < deadline)
             deadline = (last_move > hangup_at ? last_move : hangup_at) + RS_HANGUP_GRACE_SECONDS;
         if (now >= deadline) {
@@ -234,7 +244,8 @@ rs_status_t rs_progress(rs_comm_t *comm, rs_xfer_t *xfers, int n) {
         if (moved)
             continue;
         int k = build_waits(xfers, n, waits);
-        int timeout_ms = (int)((deadline - now) * 1000.0) + 1;
+        /* Without a deadline, wake once a second anyway (a cheap look at the peers). */
+        int timeout_ms = deadline - now > 1.0 ? 1000 : (int)((deadline - now) * 1000.0) + 1;
         int newly_lost = -1;
         st = comm->transport->poll(comm, waits, k, timeout_ms, &newly_lost);
         if (st != RS_OK)

@@ -261,7 +261,7 @@ static rs_status_t wait_for(rs_direct_t *d, int (*ready)(const rs_direct_t *, ui
             report_stall(d, seq, w->name, w->kind, now - start);
             stall_reported = 1;
         }
-        if (now - start >= d->comm->timeout_seconds)
+        if (d->comm->timeout_seconds > 0 && now - start >= d->comm->timeout_seconds)
             return time_out(d, seq, w, now - start, error, cap);
         doze(d, SLICE_SECONDS, ready, seq);
     }

@@ -324,8 +324,8 @@ static double check_deadlines(rs_engine_t *e) {
             (!oldest || p->mine->submitted_at < oldest->mine->submitted_at))
             oldest = p;
     }
-    if (!oldest)
-        return next;
+    if (!oldest || e->comm->timeout_seconds <= 0)
+        return next; /* no hard limit: stalls are reported, dead peers seen by their sockets */
     double due = oldest->mine->submitted_at + e->comm->timeout_seconds;
     if (now < due)
         return next && next < due ? next : due;

@@ -34,8 +34,8 @@ typedef struct {
 typedef struct rs_transport {
     const char *name;
     rs_status_t (*listen)(rs_comm_t *comm, const char *bind_host, int *port);
-    rs_status_t (*connect)(rs_comm_t *comm, const char **hosts, const int *ports,
-                           uint64_t token);
+    /* Connect to every peer, each connection proving knowledge of comm->secret. */
+    rs_status_t (*connect)(rs_comm_t *comm, const char **hosts, const int *ports);
     rs_status_t (*send)(rs_comm_t *comm, int peer, const char *buf, size_t len, size_t *done);
     rs_status_t (*recv)(rs_comm_t *comm, int peer, char *buf, size_t len, size_t *done);
     rs_status_t (*poll)(rs_comm_t *comm, rs_wait_t *waits, int n, int timeout_ms,
@@ -52,7 +52,7 @@ extern const rs_transport_t rs_shm_transport;
 struct rs_shm;
 /* After TCP has connected: map shared memory with the same-host peers and switch to the
  * shm transport (required: every peer must be on this host). */
-rs_status_t rs_shm_setup(rs_comm_t *comm, uint64_t token, int required);
+rs_status_t rs_shm_setup(rs_comm_t *comm, int required);
 
 /* The same-host fast lane (direct.c) keeps RS_DIRECT_AREAS areas of this many bytes at the
  * end of every rank's shared segment; rs_shm_direct_area finds one (valid only where
@@ -69,10 +69,16 @@ int rs_tcp_peer_state(rs_comm_t *comm, int peer);
 rs_status_t rs_finish_scale(rs_comm_t *comm, void *buf, size_t count, rs_dtype_t dtype,
                             rs_op_t op, double postscale);
 
+#define RS_SECRET_MAX 64
+
 struct rs_comm {
     int rank;
     int size;
-    double timeout_seconds;
+    double timeout_seconds; /* no progress for this long fails (0: no limit) */
+    double setup_seconds;   /* connecting to every peer must finish within this */
+    uint64_t job_id;        /* public: names this job's shared segments */
+    unsigned char secret[RS_SECRET_MAX]; /* what every connection proves it knows */
+    size_t secret_len;
     const rs_transport_t *transport;
     void *transport_state;
     char **host_names; /* per rank, for error messages */

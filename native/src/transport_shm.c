@@ -9,7 +9,7 @@
  * peer's socket; the peer, after moving bytes, sends one doorbell byte only when it sees
  * that flag. So a busy exchange makes no system calls and an idle rank uses no CPU.
  *
- * Segments are named after the job's token and the rank, created exclusively, and
+ * Segments are named after the job's public id and the rank, created exclusively, and
  * unlinked as soon as every same-host peer has mapped them: nothing stays in /dev/shm,
  * even if the job is killed later. */
 #define _GNU_SOURCE
@@ -64,8 +64,8 @@ static rs_status_t sys_fail(rs_comm_t *comm, const char *what, const char *name)
                    "RINGSYNC_TRANSPORT=tcp avoids it)", comm->rank, what, name, strerror(errno));
 }
 
-static void segment_name(char *out, size_t len, uint64_t token, int rank) {
-    snprintf(out, len, "/ringsync-%016llx-%d", (unsigned long long)token, rank);
+static void segment_name(char *out, size_t len, uint64_t job_id, int rank) {
+    snprintf(out, len, "/ringsync-%016llx-%d", (unsigned long long)job_id, rank);
 }
 
 static rs_status_t map_segment(rs_comm_t *comm, const char *name, int create, size_t bytes,
@@ -127,7 +127,7 @@ static void shm_release(rs_comm_t *comm) {
     comm->shm = NULL;
 }
 
-static rs_status_t map_peers(rs_comm_t *comm, uint64_t token) {
+static rs_status_t map_peers(rs_comm_t *comm) {
     struct rs_shm *shm = comm->shm;
     RS_CHECK(map_segment(comm, shm->name, 1, shm->segment_bytes, &shm->mine));
     RS_CHECK(local_barrier(comm)); /* every segment exists */
@@ -135,7 +135,7 @@ static rs_status_t map_peers(rs_comm_t *comm, uint64_t token) {
         if (!shm->local[p])
             continue;
         char name[64];
-        segment_name(name, sizeof name, token, p);
+        segment_name(name, sizeof name, comm->job_id, p);
         RS_CHECK(map_segment(comm, name, 0, shm->segment_bytes, &shm->theirs[p]));
     }
     RS_CHECK(local_barrier(comm)); /* every segment is mapped by all who need it */
@@ -149,7 +149,7 @@ static int same_host(const rs_comm_t *comm, int peer) {
            strcmp(rs_peer_host(comm, peer), rs_peer_host(comm, comm->rank)) == 0;
 }
 
-rs_status_t rs_shm_setup(rs_comm_t *comm, uint64_t token, int required) {
+rs_status_t rs_shm_setup(rs_comm_t *comm, int required) {
     int any = 0;
     for (int p = 0; p < comm->size; p++) {
         if (required && p != comm->rank && !same_host(comm, p))
@@ -175,9 +175,9 @@ rs_status_t rs_shm_setup(rs_comm_t *comm, uint64_t token, int required) {
     /* Rings are indexed by sending rank; pages of unused ones are never touched. The
      * same-host fast lane's area (direct.c) follows them. */
     shm->segment_bytes = (size_t)comm->size * sizeof(ring_t) + RS_DIRECT_AREAS * RS_DIRECT_AREA_BYTES;
-    segment_name(shm->name, sizeof shm->name, token, comm->rank);
+    segment_name(shm->name, sizeof shm->name, comm->job_id, comm->rank);
     /* The setup barriers run over TCP: the hybrid table is installed only after. */
-    rs_status_t st = map_peers(comm, token);
+    rs_status_t st = map_peers(comm);
     if (st != RS_OK) {
         shm_release(comm);
         return st;

@@ -71,12 +71,15 @@ def test_half_precision_rounding_matches_numpy(dtype):
 def test_config_reads_environment_once():
     cfg = Config.from_env({"RINGSYNC_TIMEOUT_SECONDS": "12.5", "RINGSYNC_IFACE": "lo"})
     assert cfg.timeout_seconds == 12.5 and cfg.iface == "lo"
-    assert Config.from_env({}).timeout_seconds == 300.0
+    assert Config.from_env({}).timeout_seconds == 0  # no hard limit: stall warnings only
+    assert Config.from_env({"RINGSYNC_TIMEOUT_SECONDS": "0"}).timeout_seconds == 0
     assert Config.from_env({}, timeout_seconds=3).timeout_seconds == 3
     with pytest.raises(rs.UsageError, match="RINGSYNC_TIMEOUT_SECONDS"):
         Config.from_env({"RINGSYNC_TIMEOUT_SECONDS": "soon"})
+    with pytest.raises(rs.UsageError, match="RINGSYNC_TIMEOUT_SECONDS='nan' must be zero"):
+        Config.from_env({"RINGSYNC_TIMEOUT_SECONDS": "nan"})
     with pytest.raises(rs.UsageError, match="positive"):
-        Config.from_env({"RINGSYNC_TIMEOUT_SECONDS": "0"})
+        Config.from_env({"RINGSYNC_START_TIMEOUT_SECONDS": "0"})
 
 
 def test_topology_follows_horovod():
@@ -95,7 +98,7 @@ def test_listen_addresses():
     assert bootstrap.listen_addresses("lo") == ("127.0.0.1", "127.0.0.1")
     with pytest.raises(rs.UsageError, match="no-such-iface"):
         bootstrap.listen_addresses("no-such-iface")
-    peers = [bootstrap.PeerInfo("h1", "10.0.0.1", 1, 0), bootstrap.PeerInfo("h2", "10.0.0.2", 2, 0)]
+    peers = [bootstrap.PeerInfo("h1", "10.0.0.1", 1), bootstrap.PeerInfo("h2", "10.0.0.2", 2)]
     assert bootstrap.connect_addresses(peers, "h1", True) == ["127.0.0.1", "10.0.0.2"]
     assert bootstrap.connect_addresses(peers, "h1", False) == ["10.0.0.1", "10.0.0.2"]
 
