@@ -78,6 +78,15 @@ class Handle:
     def __repr__(self):
         return f"<ringsync.Handle {self._what} {self.names}{' done' if self._done else ''}>"
 
+    def __del__(self):
+        # Dropped while pending: the engine may still read and write the buffers, so they
+        # go to the communicator, which frees them once the engine has finished.
+        if not self._done and self._ids and self._comm is not None:
+            try:
+                self._comm._adopt_orphan(self._ids, self._keep)
+            except Exception:  # interpreter shutdown: the engine is stopped by then
+                pass
+
     def then(self, fn: Callable) -> "Handle":
         """Have synchronize() return fn(result) instead (adapters convert results this way)."""
         finish = self._finish
@@ -116,7 +125,7 @@ def _fill(s, r: _Request):
 
 
 class PreparedAllreduce:
-    """See Communicator.prepare_allreduce_: a request built once, submitted many times."""
+    """See Communicator._prepare_allreduce_: a request built once, submitted many times."""
 
     __slots__ = ("comm", "name", "name_c", "names", "struct", "ids")
 
@@ -154,6 +163,7 @@ class Communicator:
         self._lane = False
         self._per_thread = threading.local()
         self._auto_names = itertools.count()
+        self._orphans = []  # (handle ids, buffers) of dropped pending handles
         try:
             self._connect()
             self._start_engine()
@@ -168,9 +178,10 @@ class Communicator:
         # Errors travel through the allgather instead of being raised here: a rank that
         # raised before it would leave its peers waiting in MPI forever.
         me, local_error, bound_all = self._open_listener()
-        peers = self._mpi.allgather((me, local_error))
-        self._raise_if_any_failed([err for _, err in peers], "setting up the listening socket")
-        infos = [info for info, _ in peers]
+        peers = self._mpi.allgather((me, local_error, self.config.agreed()))
+        self._raise_if_any_failed([err for _, err, _ in peers], "setting up the listening socket")
+        self._raise_if_settings_differ([settings for _, _, settings in peers])
+        infos = [info for info, _, _ in peers]
         self.host_names = [p.host_name for p in infos]
         self.topology = bootstrap.topology(self.host_names, self._rank)
         self._connect_ring(infos, me.host_name, bound_all)
@@ -252,6 +263,22 @@ class Communicator:
         kind = "usage" if status == lib.RS_ERR_USAGE else "comm"
         return kind, f"rank {self._rank}: {what} failed (status {status}): {detail}"
 
+    def _raise_if_settings_differ(self, settings):
+        """Every rank raises the same error when a setting that changes the wire protocol
+        or an algorithm choice differs between ranks (a variable exported on one host only
+        would otherwise give wrong sums or a hang)."""
+        problems = []
+        for key, mine in settings[0].items():
+            differ = [(r, s[key]) for r, s in enumerate(settings) if s[key] != mine]
+            if differ:
+                r, theirs = differ[0]
+                problems.append(f"RINGSYNC_{key.upper()} is {mine!r} on rank 0 but {theirs!r} on "
+                                f"rank {r}" + (f" (and {len(differ) - 1} more ranks)"
+                                               if len(differ) > 1 else ""))
+        if problems:
+            raise UsageError("ringsync.init: ranks must agree on these settings (export them "
+                             "to every rank, e.g. mpirun -x): " + "; ".join(problems))
+
     def _raise_if_any_failed(self, errors, what):
         """Every rank raises together: a usage error if all failures were bad settings."""
         failed = [e for e in errors if e]
@@ -262,8 +289,9 @@ class Communicator:
     def _destroy_native(self):
         self._lane = False
         if self._engine != ffi.NULL:
-            lib.rs_engine_destroy(self._engine)
+            lib.rs_engine_destroy(self._engine)  # joins its thread: no buffer is in use after
             self._engine = ffi.NULL
+        self._orphans = []
         if self._c != ffi.NULL:
             lib.rs_comm_destroy(self._c)
             self._c = ffi.NULL
@@ -337,11 +365,36 @@ class Communicator:
     def _name(self, name: Optional[str], what: str) -> str:
         """Names given by the caller, or generated in call order (the same on every rank
         as long as ranks make their unnamed calls in the same order, as Horovod's do)."""
-        return str(name) if name is not None else f"{what}.noname.{next(self._auto_names)}"
+        if name is None:
+            return f"{what}.noname.{next(self._auto_names)}"
+        name = str(name)
+        if "\0" in name:  # C would see only the part before it: two names would meet
+            raise UsageError(f"ringsync.{what}: tensor name {name!r} contains a NUL character "
+                             f"(rank {self._rank})")
+        return name
+
+    def _adopt_orphan(self, ids, keep):
+        """Keep a dropped pending handle's buffers until the engine is done with them."""
+        if self._engine != ffi.NULL:
+            self._orphans.append((list(ids), keep))
+
+    def _release_finished_orphans(self):
+        """Free what dropped handles held, once the engine has finished with it (checked at
+        each submission, so that their number stays bounded by what is still running)."""
+        pending = []
+        for ids, keep in self._orphans:
+            if all(lib.rs_engine_poll(self._engine, h) != 0 for h in ids):
+                for h in ids:
+                    lib.rs_engine_release(self._engine, h)
+            else:
+                pending.append((ids, keep))
+        self._orphans = pending
 
     def _submit(self, requests: List[_Request], finish: Callable, what: str) -> Handle:
         """Hand requests to the engine. A blocking call (one urgent request) tries the
         same-host lane first, which runs allreduces and barriers itself."""
+        if self._orphans:
+            self._release_finished_orphans()
         if self._lane and len(requests) == 1 and requests[0].urgent and not self.closed:
             if self._run_on_lane(requests[0], what):  # done: synchronize only finishes it
                 return Handle(self, [], None, finish, what, [requests[0].name])
@@ -449,9 +502,9 @@ class Communicator:
 
     # ---- one tensor reduced in place, step after step, under one name ----
 
-    def prepare_allreduce_(self, name: str, like: np.ndarray, op=ReduceOp.AVERAGE,
+    def _prepare_allreduce_(self, name: str, like: np.ndarray, op=ReduceOp.AVERAGE,
                            prescale_factor=1.0, postscale_factor=1.0) -> "PreparedAllreduce":
-        """Everything about an in-place allreduce but the memory: start_prepared(prepared,
+        """Everything about an in-place allreduce but the memory: _start_prepared(prepared,
         address) then submits it without building a request again (a DistributedOptimizer
         submits every gradient of every step this way). like: an array with the tensor's
         dtype and shape."""
@@ -463,12 +516,15 @@ class Communicator:
         prepared.names[0] = prepared.name_c
         return prepared
 
-    def start_prepared(self, prepared: "PreparedAllreduce", address: int, keep) -> Handle:
+    def _start_prepared(self, prepared: "PreparedAllreduce", address: int, keep) -> Handle:
         """Reduce the prepared tensor in place at `address` (keep holds that memory alive
-        until synchronize); synchronize returns keep."""
+        until the engine is done with it); synchronize returns keep. Private: it takes a raw
+        address, which must point at memory of the prepared size that `keep` owns."""
         if prepared.comm is not self or self.closed:
-            raise UsageError("ringsync.start_prepared: the allreduce was prepared for another "
+            raise UsageError("ringsync._start_prepared: the allreduce was prepared for another "
                              "(or a closed) communicator")
+        if self._orphans:
+            self._release_finished_orphans()
         s = prepared.struct
         s.sendbuf = s.recvbuf = ffi.cast("void *", address)
         status = lib.rs_engine_submit(self._engine, prepared.names, s, 1, prepared.ids)

@@ -72,6 +72,21 @@ class Config:
     def as_dict(self):
         return asdict(self)
 
+    def agreed(self):
+        """The settings every rank must share (init() fails naming any that differ)."""
+        values = {name: getattr(self, name) for name in AGREED_SETTINGS}
+        values["transport"] = values["transport"].lower()  # (read case-insensitively)
+        return values
+
+
+# Settings that change the wire protocol, an algorithm's choice or the recovery protocol:
+# ranks that disagree would reduce different fusions together, misparse negotiation, pick
+# different algorithms (a hang) or recover differently. The others (timeouts, stall
+# reports, spin times, timeline, interface, host name) are safely per rank.
+AGREED_SETTINGS = ("fusion_threshold", "cache_capacity", "transport", "lane_bytes",
+                   "staged_bytes", "small_allreduce_bytes", "elastic_min_np",
+                   "elastic_max_np", "elastic_respawn", "elastic_reset_limit")
+
 
 def _parse(field: str, text: str, default):
     name = "RINGSYNC_" + field.upper()

@@ -110,6 +110,9 @@ rs_status_t rs_barrier(rs_comm_t *comm);
 /* Apply a reduction to two local buffers: inout[i] = op(inout[i], in[i]). Exposed for tests. */
 rs_status_t rs_reduce_local(void *inout, const void *in, size_t count, rs_dtype_t dtype,
                             rs_op_t op);
+/* Integer Average's division: buf[i] /= divisor (>= 1), truncated toward zero, computed
+ * in int64 whatever the element type. Exposed for tests. */
+rs_status_t rs_divide_local(void *buf, size_t count, rs_dtype_t dtype, int divisor);
 /* buf[i] *= factor, computed in float32/float64 (integers are truncated toward zero). */
 rs_status_t rs_scale_local(void *buf, size_t count, rs_dtype_t dtype, double factor);
 

@@ -78,7 +78,7 @@ rs_status_t rs_finish_scale(rs_comm_t *comm, void *buf, size_t count, rs_dtype_t
                             rs_op_t op, double postscale) {
     double factor = postscale;
     if (op == RS_OP_AVERAGE && rs_dtype_is_integer(dtype))
-        RS_CHECK(rs_divide_integers(buf, count, dtype, comm->size));
+        RS_CHECK(rs_divide_local(buf, count, dtype, comm->size));
     else if (op == RS_OP_AVERAGE)
         factor /= comm->size;
     return factor == 1.0 ? RS_OK : rs_scale_local(buf, count, dtype, factor);

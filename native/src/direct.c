@@ -42,7 +42,6 @@
 
 #define SLICE_SECONDS 0.005      /* how often a sleeping waiter looks at failures */
 #define LOST_PEER_WAIT_SECONDS 0.5 /* after an abort notice, wait this long for a hangup */
-#define NAME_BYTES 64
 
 /* What a post announces: its data follows (one round); the engine runs the call; the
  * allreduce goes in staged chunks after the headers agree. */
@@ -58,7 +57,7 @@ typedef struct {
     int32_t reserved;
     uint64_t bytes;
     rs_meta_t meta;
-    char name[NAME_BYTES]; /* for messages; names are compared by hash */
+    char name[RS_MAX_NAME_LEN + 1]; /* whole: the hash only rules out a match quickly */
     char data[RS_DIRECT_MAX_BYTES] __attribute__((aligned(64)));
 } post_t;
 
@@ -109,13 +108,6 @@ void rs_direct_free(rs_direct_t *d) {
 }
 
 /* ---- posting and waking ---- */
-
-static uint64_t name_hash(const char *name) { /* FNV-1a */
-    uint64_t h = 1469598103934665603ull;
-    for (; *name; name++)
-        h = (h ^ (unsigned char)*name) * 1099511628211ull;
-    return h;
-}
 
 static long futex(uint32_t *word, int op, uint32_t value, const struct timespec *timeout) {
     return syscall(SYS_futex, word, op, value, timeout, NULL, 0);
@@ -270,19 +262,38 @@ static rs_status_t wait_for(rs_direct_t *d, int (*ready)(const rs_direct_t *, ui
 
 /* ---- one operation ---- */
 
+/* A peer's post is read as untrusted: its metadata must be well formed before anything
+ * formats or sizes from it (every rank reads the same posts and finds the same). */
+static char *malformed_post(const rs_direct_t *d, uint64_t seq) {
+    char why[512];
+    for (int r = 0; r < d->comm->size; r++) {
+        const post_t *p = &d->areas[r]->posts[seq & 1];
+        if (rs_meta_check(&p->meta, d->comm->size, why, sizeof why, NULL, NULL) != 0)
+            return rs_strdup_printf("rank %d posted a malformed blocking collective: %s", r, why);
+    }
+    return NULL;
+}
+
 /* NULL if every rank posted the same tensor, else a message naming ranks and values. */
 static char *disagreement(const rs_direct_t *d, uint64_t seq) {
     int size = d->comm->size;
+    char *message = malformed_post(d, seq);
+    if (message)
+        return message;
     const post_t *first = &d->areas[0]->posts[seq & 1];
     for (int r = 1; r < size; r++) {
         const post_t *p = &d->areas[r]->posts[seq & 1];
-        if (p->name_hash != first->name_hash)
-            return rs_strdup_printf("Mismatched blocking collectives: rank 0 called %s '%.64s', "
-                                    "rank %d called %s '%.64s' (every rank must make blocking "
+        if (p->name_hash != first->name_hash ||
+            strncmp(p->name, first->name, sizeof p->name) != 0)
+            return rs_strdup_printf("Mismatched blocking collectives: rank 0 called %s '%.*s', "
+                                    "rank %d called %s '%.*s' (every rank must make blocking "
                                     "collectives in the same order)",
-                                    rs_kind_name(first->meta.kind), first->name, r,
-                                    rs_kind_name(p->meta.kind), p->name);
+                                    rs_kind_name(first->meta.kind), RS_MAX_NAME_LEN,
+                                    first->name, r, rs_kind_name(p->meta.kind),
+                                    RS_MAX_NAME_LEN, p->name);
     }
+    char name[RS_MAX_NAME_LEN + 1];
+    snprintf(name, sizeof name, "%.*s", RS_MAX_NAME_LEN, first->name);
     rs_meta_t *metas = calloc((size_t)size, sizeof *metas);
     unsigned char *submitted = malloc((size_t)size);
     if (!metas || !submitted) {
@@ -294,9 +305,8 @@ static char *disagreement(const rs_direct_t *d, uint64_t seq) {
         metas[r] = d->areas[r]->posts[seq & 1].meta;
         submitted[r] = 1;
     }
-    rs_pending_t p = {.name = (char *)first->name, .metas = metas, .submitted = submitted,
-                      .count = size};
-    char *message = rs_check_agreement(&p, size);
+    rs_pending_t p = {.name = name, .metas = metas, .submitted = submitted, .count = size};
+    message = rs_check_agreement(&p, size);
     free(metas);
     free(submitted);
     return message;
@@ -321,8 +331,8 @@ static rs_status_t reduce_posts(rs_direct_t *d, uint64_t seq, const rs_meta_t *m
 
 static void fill_header(post_t *post, const char *name, const rs_meta_t *meta, size_t bytes,
                         int flags) {
-    post->name_hash = name_hash(name);
-    snprintf(post->name, sizeof post->name, "%s", name);
+    snprintf(post->name, sizeof post->name, "%.*s", RS_MAX_NAME_LEN, name);
+    post->name_hash = rs_fnv1a(post->name, strlen(post->name));
     post->meta = *meta;
     post->bytes = bytes;
     post->flags = flags;
@@ -422,16 +432,22 @@ void rs_direct_serve_joined(rs_direct_t *d, double seconds) {
             break;
         const post_t *theirs = &d->areas[from]->posts[seq & 1];
         post_t *mine = &d->areas[d->comm->rank]->posts[seq & 1];
-        /* Only allreduce works with join: the engine fails the others on every rank. */
-        int flags = theirs->meta.kind == RS_KIND_ALLREDUCE ? theirs->flags : POST_USE_ENGINE;
-        fill_header(mine, theirs->name, &theirs->meta, theirs->bytes, flags);
-        mine->name_hash = theirs->name_hash; /* the name may have been cut for messages */
+        /* Only allreduce works with join: the engine fails the others on every rank. A
+         * post whose size does not follow from its (well-formed) metadata goes there too. */
+        rs_meta_t meta = theirs->meta; /* one read of the peer's fields */
+        int64_t bytes = 0;
+        char why[256];
+        int flags = meta.kind == RS_KIND_ALLREDUCE ? theirs->flags : POST_USE_ENGINE;
+        if (rs_meta_check(&meta, d->comm->size, why, sizeof why, NULL, &bytes) != 0 ||
+            ((flags & POST_DATA) && (size_t)bytes > RS_DIRECT_MAX_BYTES))
+            flags = POST_USE_ENGINE;
+        fill_header(mine, theirs->name, &meta, (size_t)bytes, flags);
         if (flags & POST_DATA)
-            memset(mine->data, 0, theirs->bytes);
+            memset(mine->data, 0, (size_t)bytes);
         publish(d, &mine->seq, seq);
         d->seq = seq;
         if (flags & POST_STAGED)
-            stage_zeros(d, &theirs->meta, theirs->bytes);
+            stage_zeros(d, &meta, (size_t)bytes);
     }
     doze(d, seconds, next_posted_by_any, d->seq + 1);
     pthread_mutex_unlock(&d->mu);

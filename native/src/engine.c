@@ -15,7 +15,6 @@
 
 #include "engine.h"
 
-#define MAX_NAME_LEN 4000
 #define FUSION_IDLE_GAP_SECONDS 100e-6 /* stop gathering once submissions pause this long */
 #define SHUTDOWN_NAME "ringsync.shutdown"
 
@@ -494,57 +493,6 @@ static rs_status_t usage(rs_engine_t *e, const char *fmt, ...) {
     return RS_ERR_USAGE;
 }
 
-/* Check one request on this rank alone (ranks are compared later, in negotiation). */
-static rs_status_t validate(rs_engine_t *e, const char *name, const rs_request_t *r) {
-    int size = e->comm->size;
-    if (!name || !*name || strlen(name) > MAX_NAME_LEN)
-        return usage(e, "tensor name '%.64s' must have 1 to %d characters", name ? name : "",
-                     MAX_NAME_LEN);
-    if (rs_map_get(&e->in_flight, name))
-        return usage(e, "tensor '%s' is already in flight on rank %d; synchronize it before "
-                     "submitting the name again", name, e->comm->rank);
-    if (r->kind < 0 || r->kind > RS_KIND_JOIN)
-        return usage(e, "tensor '%s': unknown collective kind %d", name, r->kind);
-    int reduces = r->kind == RS_KIND_ALLREDUCE || r->kind == RS_KIND_REDUCESCATTER;
-    int has_data = r->kind != RS_KIND_BARRIER && r->kind != RS_KIND_JOIN;
-    if (has_data && !(reduces ? rs_dtype_valid(r->dtype) : rs_dtype_movable(r->dtype)))
-        return usage(e, "tensor '%s': dtype %s is not supported by %s", name,
-                     rs_dtype_name(r->dtype), rs_kind_name(r->kind));
-    if (reduces && !rs_op_valid(r->op))
-        return usage(e, "tensor '%s': unknown reduction op %d", name, r->op);
-    if (r->kind == RS_KIND_BROADCAST && (r->root < 0 || r->root >= size))
-        return usage(e, "tensor '%s': root rank %d is out of range for %d ranks", name, r->root,
-                     size);
-    if (r->ndim < 0 || r->ndim > RS_MAX_DIMS)
-        return usage(e, "tensor '%s': %d dimensions; at most %d are supported", name, r->ndim,
-                     (int)RS_MAX_DIMS);
-    int needs_rows = r->kind == RS_KIND_ALLGATHER || r->kind == RS_KIND_ALLTOALL ||
-                     r->kind == RS_KIND_REDUCESCATTER;
-    if (needs_rows && r->ndim < 1)
-        return usage(e, "tensor '%s': %s needs at least one dimension", name,
-                     rs_kind_name(r->kind));
-    for (int d = 0; d < r->ndim; d++)
-        if (r->shape[d] < 0)
-            return usage(e, "tensor '%s': negative dimension %lld at axis %d", name,
-                         (long long)r->shape[d], d);
-    if (r->kind == RS_KIND_ALLTOALL && r->splits) {
-        int64_t sum = 0;
-        for (int i = 0; i < size; i++) {
-            if (r->splits[i] < 0)
-                return usage(e, "tensor '%s': negative alltoall split %lld for rank %d", name,
-                             (long long)r->splits[i], i);
-            sum += r->splits[i];
-        }
-        if (sum != r->shape[0])
-            return usage(e, "tensor '%s': alltoall splits sum to %lld, not to the first "
-                         "dimension %lld", name, (long long)sum, (long long)r->shape[0]);
-    } else if (r->kind == RS_KIND_ALLTOALL && r->shape[0] % size) {
-        return usage(e, "tensor '%s': first dimension %lld is not divisible by %d ranks; "
-                     "pass splits", name, (long long)r->shape[0], size);
-    }
-    return RS_OK;
-}
-
 static rs_meta_t meta_of(const rs_request_t *r) {
     int reduces = r->kind == RS_KIND_ALLREDUCE || r->kind == RS_KIND_REDUCESCATTER;
     rs_meta_t m = {0};
@@ -555,8 +503,54 @@ static rs_meta_t meta_of(const rs_request_t *r) {
     m.prescale = reduces ? r->prescale : 1.0;
     m.postscale = reduces ? r->postscale : 1.0;
     m.ndim = r->ndim;
-    memcpy(m.shape, r->shape, (size_t)r->ndim * sizeof(int64_t));
+    if (r->ndim > 0 && r->ndim <= RS_MAX_DIMS) /* (rs_meta_check refuses any other) */
+        memcpy(m.shape, r->shape, (size_t)r->ndim * sizeof(int64_t));
     return m;
+}
+
+/* alltoall: splits (when given) are rows per rank, none negative, summing to shape[0]
+ * without overflow; otherwise shape[0] must split evenly. */
+static rs_status_t validate_splits(rs_engine_t *e, const char *name, const rs_request_t *r) {
+    int size = e->comm->size;
+    if (!r->splits) {
+        if (r->shape[0] % size)
+            return usage(e, "tensor '%s': first dimension %lld is not divisible by %d ranks; "
+                         "pass splits", name, (long long)r->shape[0], size);
+        return RS_OK;
+    }
+    int64_t sum = 0;
+    for (int i = 0; i < size; i++) {
+        if (r->splits[i] < 0)
+            return usage(e, "tensor '%s': negative alltoall split %lld for rank %d", name,
+                         (long long)r->splits[i], i);
+        if (rs_add_checked(sum, r->splits[i], &sum) != 0)
+            return usage(e, "tensor '%s': alltoall splits overflow when summed (split %lld "
+                         "for rank %d)", name, (long long)r->splits[i], i);
+    }
+    if (sum != r->shape[0])
+        return usage(e, "tensor '%s': alltoall splits sum to %lld, not to the first "
+                     "dimension %lld", name, (long long)sum, (long long)r->shape[0]);
+    return RS_OK;
+}
+
+/* Check one request on this rank alone (ranks are compared later, in negotiation). */
+static rs_status_t validate(rs_engine_t *e, const char *name, const rs_request_t *r) {
+    if (!name || !*name || strlen(name) > RS_MAX_NAME_LEN)
+        return usage(e, "tensor name '%.64s' must have 1 to %d characters", name ? name : "",
+                     RS_MAX_NAME_LEN);
+    if (rs_map_get(&e->in_flight, name))
+        return usage(e, "tensor '%s' is already in flight on rank %d; synchronize it before "
+                     "submitting the name again", name, e->comm->rank);
+    rs_meta_t m = meta_of(r);
+    char why[512];
+    if (rs_meta_check(&m, e->comm->size, why, sizeof why, NULL, NULL) != 0)
+        return usage(e, "tensor '%s': %s", name, why);
+    int needs_rows = r->kind == RS_KIND_ALLGATHER || r->kind == RS_KIND_ALLTOALL ||
+                     r->kind == RS_KIND_REDUCESCATTER;
+    if (needs_rows && r->ndim < 1)
+        return usage(e, "tensor '%s': %s needs at least one dimension", name,
+                     rs_kind_name(r->kind));
+    return r->kind == RS_KIND_ALLTOALL ? validate_splits(e, name, r) : RS_OK;
 }
 
 static rs_work_t *new_work(rs_engine_t *e, const char *name, const rs_request_t *r) {
@@ -823,7 +817,7 @@ rs_status_t rs_engine_start_timeline(rs_engine_t *e, const char *path) {
     if (st != RS_OK)
         snprintf(e->last_error, sizeof e->last_error, "%s '%s'",
                  st == RS_ERR_USAGE ? "a timeline is already being written; cannot start"
-                                    : "cannot open the timeline file", path);
+                                    : "cannot open the timeline file (a symbolic link there is refused)", path);
     return st;
 }
 

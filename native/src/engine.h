@@ -6,22 +6,11 @@
 #include <pthread.h>
 #include <stdio.h>
 
+#include "checked.h"
 #include "internal.h"
 
 typedef struct rs_direct rs_direct_t; /* same-host lane and staged allreduce (direct.c) */
 
-/* What every rank must agree on for a tensor (allgather / alltoall: all but shape[0]). */
-typedef struct {
-    int32_t kind;
-    int32_t dtype;
-    int32_t op;
-    int32_t root;
-    int32_t ndim;
-    int32_t reserved;
-    double prescale;
-    double postscale;
-    int64_t shape[RS_MAX_DIMS];
-} rs_meta_t;
 
 /* One submitted tensor; owned by the engine from submit until release. */
 typedef struct rs_work {
@@ -77,6 +66,7 @@ typedef struct {
     int rank;
     rs_map_t pending;         /* name -> rs_pending_t */
     int64_t next_order;
+    uint64_t rounds;          /* negotiation rounds run (every rank runs the same) */
     /* response cache: a tensor negotiated once is later named by its id in a bitset */
     int capacity;
     int used;

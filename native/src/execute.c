@@ -1,6 +1,7 @@
 #define _GNU_SOURCE
 /* Running negotiated tensors: neighbouring allreduces with the same dtype, op and scale
  * factors are packed into one fusion buffer and reduced in one ring pass. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -145,13 +146,17 @@ static rs_status_t run_alltoall(rs_executor_t *x, rs_pending_t *p) {
     double start = rs_now();
     if (st == RS_OK)
         st = rs_alltoallv(comm, w->splits, eights, recv_rows, eights);
-    int64_t rows = 0;
+    int64_t rows = 0, total = 0;
     for (size_t r = 0; st == RS_OK && r < n; r++) {
-        send_bytes[r] = w->splits[r] * (int64_t)row_bytes;
-        recv_bytes[r] = recv_rows[r] * (int64_t)row_bytes;
+        send_bytes[r] = w->splits[r] * (int64_t)row_bytes; /* validated at submission */
+        if (rs_mul_checked(recv_rows[r], (int64_t)row_bytes, &recv_bytes[r]) != 0 ||
+            rs_add_checked(total, recv_bytes[r], &total) != 0)
+            st = rs_fail(comm, RS_ERR_COMM, "rank %d: alltoall '%s': rank %zu announced %lld "
+                         "rows of %zu bytes, more than can be received", comm->rank, p->name, r,
+                         (long long)recv_rows[r], row_bytes);
         rows += recv_rows[r];
     }
-    void *out = st == RS_OK ? malloc((size_t)rows * row_bytes + 1) : NULL;
+    void *out = st == RS_OK ? malloc((size_t)total + 1) : NULL;
     if (st == RS_OK && !out)
         st = rs_fail(comm, RS_ERR_NOMEM, "out of memory");
     if (st == RS_OK)
@@ -210,14 +215,24 @@ static rs_status_t run_single(rs_executor_t *x, rs_pending_t *p) {
     }
 }
 
-/* A failure that leaves the communicator working belongs to this tensor only. */
+/* Once a collective's bytes may be moving, a failure on one rank (even out of memory)
+ * leaves its peers streaming data that this rank will not read, or will misread as the
+ * next negotiation: the communicator is broken on every rank (the engine aborts it, which
+ * tells the peers), and nothing is returned as valid. */
 static rs_status_t settle(rs_executor_t *x, rs_pending_t **group, int n, rs_status_t st) {
+    if (st != RS_OK && st != RS_ERR_COMM && st != RS_ERR_TIMEOUT) {
+        char why[RS_ERROR_LEN];
+        snprintf(why, sizeof why, "%s", x->comm->last_error);
+        st = rs_fail(x->comm, RS_ERR_COMM, "rank %d: %s '%s' failed while running (%s); the "
+                     "communicator is broken, its peers may be mid-transfer",
+                     x->comm->rank, rs_kind_name(group[0]->metas[0].kind), group[0]->name, why);
+    }
     for (int i = 0; i < n; i++) {
         group[i]->mine->status = st;
         if (st != RS_OK)
             group[i]->mine->error = strdup(x->comm->last_error);
     }
-    return st == RS_ERR_COMM || st == RS_ERR_TIMEOUT || st == RS_ERR_SYSTEM ? st : RS_OK;
+    return st;
 }
 
 rs_status_t rs_execute(rs_executor_t *x, rs_pending_t **ready, int nready) {

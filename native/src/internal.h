@@ -58,7 +58,8 @@ rs_status_t rs_shm_setup(rs_comm_t *comm, int required);
  * end of every rank's shared segment; rs_shm_direct_area finds one (valid only where
  * rs_shm_all_local: every peer on this host). */
 #define RS_DIRECT_MAX_BYTES ((size_t)256 << 10) /* a one-round post, a staged chunk */
-#define RS_DIRECT_AREA_BYTES (2 * (RS_DIRECT_MAX_BYTES + 512) + 128)
+#define RS_MAX_NAME_LEN 4000 /* longest tensor name (bytes, without the NUL) */
+#define RS_DIRECT_AREA_BYTES (2 * (RS_DIRECT_MAX_BYTES + RS_MAX_NAME_LEN + 1024) + 128)
 #define RS_DIRECT_AREAS 2 /* the lane's (calling threads), the engine thread's */
 int rs_shm_all_local(const rs_comm_t *comm);
 void *rs_shm_direct_area(rs_comm_t *comm, int rank, int area);
@@ -125,7 +126,6 @@ typedef void (*rs_reduce_fn)(void *inout, const void *in, size_t count);
 rs_reduce_fn rs_reduce_kernel(rs_dtype_t dtype, rs_op_t op);
 int rs_dtype_valid(int dtype);
 int rs_dtype_is_integer(rs_dtype_t dtype);
-rs_status_t rs_divide_integers(void *buf, size_t count, rs_dtype_t dtype, int divisor);
 int rs_op_valid(int op);
 
 #endif

@@ -12,12 +12,7 @@
 
 /* ---- string map ---- */
 
-static uint64_t hash_string(const char *s) {
-    uint64_t h = 1469598103934665603ULL; /* FNV-1a */
-    for (; *s; s++)
-        h = (h ^ (unsigned char)*s) * 1099511628211ULL;
-    return h;
-}
+static uint64_t hash_string(const char *s) { return rs_fnv1a(s, strlen(s)); }
 
 static size_t slot_of(const rs_map_t *m, const char *key) {
     size_t i = hash_string(key) & (m->capacity - 1);
@@ -266,9 +261,18 @@ static rs_status_t record(rs_negotiator_t *n, int r, const char *name, const rs_
 
 /* ---- wire format ---- */
 
+/* Every rank's record of a round starts with this header; a record that does not carry
+ * the magic, this round's number, this cache's size or a payload that hashes as announced
+ * was misparsed or forged, and breaks the communicator instead of being believed. */
+#define ROUND_MAGIC 0x52534e47u /* "RSNG" */
+#define MAX_PAYLOAD_BYTES ((int64_t)1 << 30) /* one rank's uncached requests in one round */
+
 typedef struct {
-    uint32_t payload_bytes; /* uncached requests, sent in a second round */
+    uint32_t magic;
     uint32_t words;         /* bitset words that follow (the same on every rank) */
+    uint64_t round;         /* rounds this negotiator ran before (the same on every rank) */
+    uint64_t payload_bytes; /* uncached requests, sent in a second round */
+    uint64_t payload_hash;  /* FNV-1a of those bytes */
 } round_header_t;
 
 typedef struct {
@@ -305,27 +309,50 @@ static rs_status_t encode(const rs_negotiator_t *n, rs_work_t **batch, int nbatc
     return RS_OK;
 }
 
-static rs_status_t decode_bits(rs_negotiator_t *n, int r, const uint64_t *bits, size_t words,
-                               const rs_map_t *mine, pending_list_t *touched, double now) {
+__attribute__((format(printf, 3, 4)))
+static rs_status_t malformed(rs_comm_t *comm, int from, const char *fmt, ...) {
+    char why[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, sizeof why, fmt, ap);
+    va_end(ap);
+    return rs_fail(comm, RS_ERR_COMM, "rank %d: malformed negotiation message from rank %d "
+                   "(%s); the communicator is broken", comm->rank, from, why);
+}
+
+static rs_status_t decode_bits(rs_comm_t *comm, rs_negotiator_t *n, int r, const uint64_t *bits,
+                               size_t words, const rs_map_t *mine, pending_list_t *touched,
+                               double now) {
     for (size_t w = 0; w < words; w++)
         for (uint64_t b = bits[w]; b; b &= b - 1) {
             int id = (int)(w * 64 + (size_t)__builtin_ctzll(b));
+            if (id >= n->used)
+                return malformed(comm, r, "cache id %d, but %d are in use", id, n->used);
             RS_CHECK(record(n, r, n->cache_names[id], &n->cache_metas[id], mine, touched, now));
         }
     return RS_OK;
 }
 
-static rs_status_t decode_entries(rs_negotiator_t *n, int r, const char *data, size_t bytes,
-                                  const rs_map_t *mine, pending_list_t *touched, double now) {
+static rs_status_t decode_entries(rs_comm_t *comm, rs_negotiator_t *n, int r, const char *data,
+                                  size_t bytes, const rs_map_t *mine, pending_list_t *touched,
+                                  double now) {
     const char *at = data, *end = data + bytes;
-    char name[4096];
-    while (at + sizeof(entry_header_t) <= end) {
+    char name[RS_MAX_NAME_LEN + 1], why[512];
+    while (at < end) {
         entry_header_t h;
+        if ((size_t)(end - at) < sizeof h)
+            return malformed(comm, r, "%zu stray bytes after the last entry", (size_t)(end - at));
         memcpy(&h, at, sizeof h);
-        size_t len = h.name_len < sizeof name - 1 ? h.name_len : sizeof name - 1;
-        memcpy(name, at + sizeof h, len);
-        name[len] = '\0';
-        at += sizeof h + h.name_len;
+        at += sizeof h;
+        if (h.name_len == 0 || h.name_len > RS_MAX_NAME_LEN || h.name_len > (size_t)(end - at) ||
+            memchr(at, '\0', h.name_len))
+            return malformed(comm, r, "a name of %u bytes with %zu left", h.name_len,
+                             (size_t)(end - at));
+        memcpy(name, at, h.name_len);
+        name[h.name_len] = '\0';
+        at += h.name_len;
+        if (rs_meta_check(&h.meta, n->size, why, sizeof why, NULL, NULL) != 0)
+            return malformed(comm, r, "tensor '%s': %s", name, why);
         int id = cache_id(n, name);
         if (id >= 0)
             n->cache_valid[id] = 0; /* its metadata changed: every rank drops it alike */
@@ -377,7 +404,8 @@ static rs_status_t exchange(rs_comm_t *comm, rs_negotiator_t *n, const uint64_t 
         free(mine);
         return RS_ERR_NOMEM;
     }
-    round_header_t h = {(uint32_t)payload_bytes, (uint32_t)words};
+    round_header_t h = {ROUND_MAGIC, (uint32_t)words, n->rounds, payload_bytes,
+                        rs_fnv1a(payload, payload_bytes)};
     memcpy(mine, &h, sizeof h);
     memcpy(mine + sizeof h, bits, words * 8);
     for (int r = 0; r < n->size; r++)
@@ -388,15 +416,31 @@ static rs_status_t exchange(rs_comm_t *comm, rs_negotiator_t *n, const uint64_t 
     int64_t total = 0;
     for (int r = 0; r < n->size; r++) {
         memcpy(&h, all + (size_t)r * record_bytes, sizeof h);
-        counts[r] = h.payload_bytes;
-        total += counts[r];
+        if (h.magic != ROUND_MAGIC || h.words != words || h.round != n->rounds)
+            return malformed(comm, r, "header magic %#x, %u cache words, round %llu; expected "
+                             "%#x, %zu, %llu", h.magic, h.words, (unsigned long long)h.round,
+                             ROUND_MAGIC, words, (unsigned long long)n->rounds);
+        if (h.payload_bytes > (uint64_t)MAX_PAYLOAD_BYTES ||
+            rs_add_checked(total, (int64_t)h.payload_bytes, &total) != 0)
+            return malformed(comm, r, "announced %llu bytes of requests",
+                             (unsigned long long)h.payload_bytes);
+        counts[r] = (int64_t)h.payload_bytes;
     }
+    n->rounds++;
     if (total == 0)
         return RS_OK;
     /* Second round, only when some rank sent tensors the cache does not know. */
     if (!(*gathered_payload = malloc((size_t)total)))
         return RS_ERR_NOMEM;
-    return rs_allgatherv(comm, payload, *gathered_payload, counts, 1);
+    RS_CHECK(rs_allgatherv(comm, payload, *gathered_payload, counts, 1));
+    const char *at = *gathered_payload;
+    for (int r = 0; r < n->size; at += counts[r], r++) {
+        memcpy(&h, all + (size_t)r * record_bytes, sizeof h);
+        if (rs_fnv1a(at, (size_t)counts[r]) != h.payload_hash)
+            return malformed(comm, r, "its %lld bytes of requests do not hash as announced",
+                             (long long)counts[r]);
+    }
+    return RS_OK;
 }
 
 rs_status_t rs_negotiate(rs_comm_t *comm, rs_negotiator_t *n, rs_work_t **batch, int nbatch,
@@ -423,9 +467,9 @@ rs_status_t rs_negotiate(rs_comm_t *comm, rs_negotiator_t *n, rs_work_t **batch,
     for (int r = 0; st == RS_OK && r < n->size; r++) {
         const uint64_t *rank_bits = (const uint64_t *)(gathered_bits + (size_t)r * record_bytes +
                                                        sizeof(round_header_t));
-        st = decode_bits(n, r, rank_bits, words, &mine, &touched, now);
+        st = decode_bits(comm, n, r, rank_bits, words, &mine, &touched, now);
         if (st == RS_OK && sizes[r] > 0) {
-            st = decode_entries(n, r, entries, (size_t)sizes[r], &mine, &touched, now);
+            st = decode_entries(comm, n, r, entries, (size_t)sizes[r], &mine, &touched, now);
             entries += sizes[r];
         }
     }
@@ -495,6 +539,21 @@ static char *mismatch(const rs_pending_t *p, int r) {
     return NULL;
 }
 
+/* Every rank's rows fit, but their sum might not (ranks agree on the result: the same
+ * metadata is checked everywhere). */
+static char *gather_too_large(const rs_pending_t *p, int size) {
+    int64_t row_bytes = (int64_t)rs_dtype_size(p->metas[0].dtype), total = 0, bytes;
+    for (int d = 1; d < p->metas[0].ndim; d++)
+        row_bytes *= p->metas[0].shape[d]; /* within one rank's checked size */
+    for (int r = 0; r < size; r++)
+        if (rs_mul_checked(p->metas[r].shape[0], row_bytes, &bytes) != 0 ||
+            rs_add_checked(total, bytes, &total) != 0)
+            return rs_strdup_printf("allgather '%s': the ranks' rows add up to more than %lld "
+                                    "bytes (rank %d sent %lld rows)", p->name,
+                                    (long long)RS_MAX_BYTES, r, (long long)p->metas[r].shape[0]);
+    return NULL;
+}
+
 char *rs_check_agreement(const rs_pending_t *p, int size) {
     if (p->count < size && p->metas[0].kind != RS_KIND_ALLREDUCE) {
         char joined[512];
@@ -507,7 +566,7 @@ char *rs_check_agreement(const rs_pending_t *p, int size) {
         if (message)
             return message;
     }
-    return NULL;
+    return p->metas[0].kind == RS_KIND_ALLGATHER ? gather_too_large(p, size) : NULL;
 }
 
 /* ---- stalls ---- */

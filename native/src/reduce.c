@@ -167,16 +167,19 @@ rs_status_t rs_reduce_local(void *inout, const void *in, size_t count, rs_dtype_
 
 /* ---- scaling ---- */
 
+/* The divisor stays wide: cast to int8 it would be 0 at 256 ranks and negative at 128. */
 #define INT_DIVIDE(T)                                                           \
     do {                                                                        \
         T *p = (T *)buf;                                                        \
         for (size_t i = 0; i < count; i++)                                      \
-            p[i] = (T)(p[i] / (T)divisor);                                      \
+            p[i] = (T)((int64_t)p[i] / (int64_t)divisor);                       \
     } while (0)
 
 /* Average of integers: exact integer division, truncated toward zero (a multiply by a
  * rounded 1/n would turn 6/3 into 1.999... and then 1). */
-rs_status_t rs_divide_integers(void *buf, size_t count, rs_dtype_t dtype, int divisor) {
+rs_status_t rs_divide_local(void *buf, size_t count, rs_dtype_t dtype, int divisor) {
+    if (divisor < 1)
+        return RS_ERR_USAGE;
     switch (dtype) {
     case RS_UINT8: INT_DIVIDE(uint8_t); break;
     case RS_INT8: INT_DIVIDE(int8_t); break;

@@ -1,8 +1,11 @@
 /* Timeline: Chrome-trace JSON (opens in Perfetto / chrome://tracing). One track per
  * tensor (a "thread" named after it) inside one process per rank; complete events
  * ("ph":"X") for each phase of the tensor's life. */
+#define _GNU_SOURCE
+#include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "engine.h"
 
@@ -30,12 +33,24 @@ static void begin_event(rs_timeline_t *t) {
     fputs(t->events++ ? ",\n" : "\n", t->file);
 }
 
+/* Open for writing, refusing a symbolic link at `path`: in a shared directory someone
+ * else may have planted one to make us overwrite a file of theirs choosing. */
+static FILE *open_no_follow(const char *path) {
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (fd < 0)
+        return NULL;
+    FILE *f = fdopen(fd, "w");
+    if (!f)
+        close(fd);
+    return f;
+}
+
 rs_status_t rs_timeline_start(rs_timeline_t *t, const char *path) {
     pthread_mutex_lock(&t->mu);
     rs_status_t st = RS_OK;
     if (t->file) {
         st = RS_ERR_USAGE; /* one timeline at a time */
-    } else if (!(t->file = fopen(path, "w"))) {
+    } else if (!(t->file = open_no_follow(path))) {
         st = RS_ERR_SYSTEM;
     } else {
         t->events = 0;

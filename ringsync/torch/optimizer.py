@@ -151,10 +151,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if cached is None or cached[0].comm is not comm or cached[1] is not grad.dtype or \
                 cached[2] != grad.shape:
             like = to_numpy(grad.detach(), "DistributedOptimizer")
-            cached = (comm.prepare_allreduce_(self._names[p], like, self._op, **self._scale),
+            cached = (comm._prepare_allreduce_(self._names[p], like, self._op, **self._scale),
                       grad.dtype, grad.shape)
             self._prepared[p] = cached
-        return comm.start_prepared(cached[0], grad.data_ptr(), grad)
+        return comm._start_prepared(cached[0], grad.data_ptr(), grad)
 
     def synchronize(self):
         """Wait until every parameter's gradient holds its reduction over all ranks.

@@ -1,0 +1,44 @@
+/* Sizes from users and peers, checked before use: a product or sum that would overflow
+ * is refused, never wrapped. Everything here is pure arithmetic (no state, no I/O). */
+#ifndef RINGSYNC_CHECKED_H
+#define RINGSYNC_CHECKED_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ringsync.h"
+
+/* The largest tensor or total the core handles: every byte count fits int64_t, so sums of
+ * a few of them and signed offsets cannot overflow either. */
+#define RS_MAX_BYTES ((int64_t)1 << 60)
+
+/* *out = a * b or a + b; 0 on success, -1 when the result would exceed RS_MAX_BYTES or
+ * an operand is negative. */
+int rs_mul_checked(int64_t a, int64_t b, int64_t *out);
+int rs_add_checked(int64_t a, int64_t b, int64_t *out);
+
+/* FNV-1a, 64 bits: names in hash maps, a check that a peer's bytes arrived as announced
+ * (it detects misparsing, not forgery: connections are authenticated). */
+uint64_t rs_fnv1a(const void *data, size_t len);
+
+/* What every rank must agree on for a tensor (allgather / alltoall: all but shape[0]). */
+typedef struct {
+    int32_t kind;
+    int32_t dtype;
+    int32_t op;
+    int32_t root;
+    int32_t ndim;
+    int32_t reserved;
+    double prescale;
+    double postscale;
+    int64_t shape[RS_MAX_DIMS];
+} rs_meta_t;
+
+/* 0 when m is well formed for a communicator of `size` ranks (a known kind, a dtype and
+ * op it supports, a root in range, finite scale factors, at most RS_MAX_DIMS dimensions,
+ * none negative, at most RS_MAX_BYTES in all); else -1 with the reason in `why`. On
+ * success *elements and *bytes (either may be NULL) receive the tensor's sizes. */
+int rs_meta_check(const rs_meta_t *m, int size, char *why, size_t cap, int64_t *elements,
+                  int64_t *bytes);
+
+#endif
