@@ -1,10 +1,25 @@
 """The ``ringsync`` command.
 
 ``ringsync run -np N [options] [--] program [args...]``
-    builds the command line of the installed ``mpirun`` and runs it, forwarding
-    SIGINT/SIGTERM/SIGHUP and returning mpirun's exit status.
+    builds the command line of the installed ``mpirun`` and runs it, returning mpirun's
+    exit status.
 ``ringsync doctor``
     reports the ringsync, native core, MPI and framework versions this machine has.
+
+Signals. mpirun runs in a session of its own, so the terminal's signals reach only the
+launcher, which passes them on; and on Linux mpirun cannot outlive the launcher:
+
+* SIGINT, SIGTERM and SIGHUP are passed on to mpirun, which ends the job.
+* SIGQUIT (Ctrl-\\) becomes SIGTERM for mpirun, which ends the job (a SIGQUIT would kill
+  mpirun alone and leave its ranks running).
+* SIGUSR1 and SIGUSR2 are passed on; mpirun relays them to every rank.
+* SIGTSTP (Ctrl-Z) suspends the job as a whole, as a terminal user expects: mpirun
+  stops every rank, then the launcher stops itself, so the shell reports the job
+  stopped. SIGCONT (``fg``, ``bg``) to the launcher resumes the ranks. mpirun itself
+  keeps running meanwhile, to relay that SIGCONT (and a SIGTERM) to the ranks.
+* SIGKILL of the launcher, or any other way it dies, makes the kernel send mpirun
+  SIGTERM (Linux parent-death signal), and mpirun ends the job. SIGTERM, not SIGKILL:
+  a SIGKILLed mpirun leaves its ranks running.
 
 MPI is never imported at module import time: the launcher process itself must not
 become an MPI process (it only starts mpirun). ``doctor`` imports mpi4py lazily and
@@ -14,6 +29,7 @@ without calling MPI_Init.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import functools
 import importlib
@@ -29,7 +45,22 @@ ENV_PREFIX = "RINGSYNC_"
 OPEN_MPI = "openmpi"
 MPICH = "mpich"
 UNKNOWN = "unknown"
-FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# What mpirun gets for each signal the launcher receives. Open MPI's mpirun ends the job
+# on SIGINT/SIGTERM/SIGHUP and relays SIGUSR1/SIGUSR2/SIGTSTP/SIGCONT to the ranks, but
+# SIGQUIT kills it alone and leaves the ranks running, so a quit becomes a termination.
+SIGNALS_FOR_MPIRUN = {
+    signal.SIGINT: signal.SIGINT,
+    signal.SIGTERM: signal.SIGTERM,
+    signal.SIGHUP: signal.SIGHUP,
+    signal.SIGQUIT: signal.SIGTERM,
+    signal.SIGUSR1: signal.SIGUSR1,
+    signal.SIGUSR2: signal.SIGUSR2,
+    signal.SIGTSTP: signal.SIGTSTP,
+    signal.SIGCONT: signal.SIGCONT,
+}
+# Sent to mpirun by the kernel when the launcher dies; mpirun then ends its ranks.
+MPIRUN_DEATH_SIGNAL = signal.SIGTERM
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 FRAMEWORKS = ("torch", "tensorflow", "keras")
 
 
@@ -296,31 +327,83 @@ def check_elastic_options(options: RunOptions) -> str | None:
 # --------------------------------------------------------------------------- running
 
 
-def run_forwarding_signals(command: list[str]) -> int:
-    """Run ``command``; forward SIGINT/SIGTERM/SIGHUP to it; return its exit status.
+def death_signal_setter(signum: int):
+    """A preexec_fn making the kernel send ``signum`` to the child when the launcher dies,
+    or None where there is no prctl (not Linux).
 
-    mpirun gets its own session so that we, not the terminal, decide what it receives:
-    each signal we get is passed on once to its process group, and mpirun then tears
-    the ranks down itself. A child killed by signal N yields 128 + N, like a shell.
+    This is the only way to reach mpirun after a SIGKILL of the launcher, which no
+    handler sees. The kernel sends it when the *thread* that started the child ends: the
+    main thread, which lives as long as the launcher. prctl is looked up here, before the
+    fork, so that between fork and exec the child loads nothing.
     """
-    state = {"child": None, "pending": []}
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    launcher_pid = os.getpid()
 
-    def forward(signum, _frame):
-        child = state["child"]
-        if child is None:
-            state["pending"].append(signum)  # arrived before the child existed
-            return
+    def set_death_signal():
+        prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+        if os.getppid() != launcher_pid:
+            # The launcher died before prctl took effect: no signal will ever come.
+            os._exit(128 + int(signum))
+
+    return set_death_signal
+
+
+def start_mpirun(command: list[str]) -> subprocess.Popen:
+    """Start mpirun in a session of its own (the terminal's signals reach only the launcher,
+    which decides what mpirun gets), bound to die with the launcher."""
+    return subprocess.Popen(command, start_new_session=True,
+                            preexec_fn=death_signal_setter(MPIRUN_DEATH_SIGNAL))
+
+
+def stop_launcher() -> None:
+    """Stop this process, as SIGTSTP's default action would. SIGSTOP, not SIGTSTP: the
+    kernel drops SIGTSTP in an orphaned process group, which would leave the ranks stopped
+    under a running launcher."""
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def pass_on(mpirun: subprocess.Popen, signum: int) -> None:
+    """Give mpirun what ``signum`` means for it (SIGNALS_FOR_MPIRUN); after SIGTSTP, once
+    mpirun has been told to stop the ranks, stop the launcher too."""
+    if mpirun.returncode is None:  # once reaped, its pid may belong to someone else
         try:
-            os.killpg(child.pid, signum)
+            os.killpg(mpirun.pid, SIGNALS_FOR_MPIRUN[signum])
         except ProcessLookupError:
             pass
+    if signum == signal.SIGTSTP:
+        stop_launcher()
 
-    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+
+def run_forwarding_signals(command: list[str]) -> int:
+    """Run ``command`` (mpirun) and return its exit status, passing signals on as the
+    module docstring describes.
+
+    Each signal we get is passed on once to mpirun's process group (Open MPI puts each
+    rank in a group of its own), and mpirun acts on the ranks itself. A child killed by
+    signal N yields 128 + N, like a shell.
+    """
+    job = {"mpirun": None, "pending": []}
+
+    def on_signal(signum, _frame):
+        if job["mpirun"] is not None:
+            pass_on(job["mpirun"], signum)
+        elif signum == signal.SIGCONT:
+            # Resumed before mpirun existed: the stop asked for meanwhile is void.
+            job["pending"] = [s for s in job["pending"] if s != signal.SIGTSTP]
+        else:
+            job["pending"].append(signum)  # replayed once mpirun exists
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in SIGNALS_FOR_MPIRUN}
     try:
-        state["child"] = subprocess.Popen(command, start_new_session=True)
-        for signum in state["pending"]:
-            forward(signum, None)
-        returncode = state["child"].wait()
+        job["mpirun"] = start_mpirun(command)
+        for signum in job["pending"]:
+            pass_on(job["mpirun"], signum)
+        returncode = job["mpirun"].wait()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

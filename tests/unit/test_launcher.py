@@ -5,6 +5,8 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
+import time
 import uuid
 
 import pytest
@@ -179,6 +181,52 @@ def test_sigint_reaches_the_ranks(tmp_path):
     assert job.returncode != 0
     leftovers = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True)
     assert leftovers.stdout.split() == []
+
+
+# Stands in for mpirun: exits with the number of the signal it gets, once it has said
+# (by creating the file named by its argument) that its handlers are in place.
+REPORTS_ITS_SIGNAL = (
+    "import pathlib, signal, sys, time\n"
+    "for s in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT, signal.SIGUSR1):\n"
+    "    signal.signal(s, lambda n, f: sys.exit(n))\n"
+    "pathlib.Path(sys.argv[1]).touch()\n"
+    "time.sleep(30)\n"
+)
+
+
+@pytest.mark.parametrize("sent, received", [
+    (signal.SIGINT, signal.SIGINT),
+    (signal.SIGQUIT, signal.SIGTERM),  # mpirun would die of SIGQUIT and leave its ranks
+    (signal.SIGUSR1, signal.SIGUSR1),
+], ids=["SIGINT", "SIGQUIT", "SIGUSR1"])
+def test_signals_reach_mpirun_as_signals_it_handles(tmp_path, sent, received):
+    ready = tmp_path / "ready"
+
+    def signal_launcher_once_child_is_ready():
+        give_up = time.monotonic() + 30
+        while not ready.exists() and time.monotonic() < give_up:
+            time.sleep(0.01)
+        os.kill(os.getpid(), sent)  # this process plays the launcher
+
+    # A no-op outside run_forwarding_signals: a late signal must not end pytest.
+    previous = signal.signal(sent, lambda *_: None)
+    sender = threading.Thread(target=signal_launcher_once_child_is_ready)
+    sender.start()
+    try:
+        status = launcher.run_forwarding_signals(
+            [sys.executable, "-c", REPORTS_ITS_SIGNAL, str(ready)])
+    finally:
+        sender.join(timeout=60)
+        signal.signal(sent, previous)
+    assert status == received
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux only")
+def test_mpirun_gets_sigterm_when_the_launcher_dies():
+    # PR_GET_PDEATHSIG (2): the signal the kernel will send when the launcher dies.
+    code = ("import ctypes, sys; death = ctypes.c_int(); "
+            "ctypes.CDLL(None).prctl(2, ctypes.byref(death)); sys.exit(death.value)")
+    assert launcher.run_forwarding_signals([sys.executable, "-c", code]) == signal.SIGTERM
 
 
 @pytest.mark.requires_mpirun
