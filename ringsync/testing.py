@@ -114,6 +114,7 @@ def run_mpi(
     mpirun_args=(),
     expect_failure: bool = False,
     check: bool = False,
+    wrapper=(),
 ) -> MPIResult:
     """Run ``target`` on ``np`` ranks and return an MPIResult.
 
@@ -124,9 +125,11 @@ def run_mpi(
     mpirun_args: extra mpirun options, placed before the program.
     check: raise AssertionError with the full report unless the job succeeded, or with
         ``expect_failure``, unless it failed (any rank not ok) without hitting the deadline.
+    wrapper: a command that the mpirun command line is appended to and that runs in its
+        place (e.g. ``unshare -m ...``).
     """
     for _ in range(LAUNCH_ATTEMPTS):
-        result = _run_job(target, np, timeout, args, env, mpirun_args)
+        result = _run_job(target, np, timeout, args, env, mpirun_args, wrapper)
         if not _launcher_failed(result):
             break
     if check:
@@ -146,10 +149,11 @@ def _launcher_failed(result: "MPIResult") -> bool:
             any(text in result.output for text in LAUNCHER_FAILURES))
 
 
-def _run_job(target, np, timeout, args, env, mpirun_args) -> "MPIResult":
+def _run_job(target, np, timeout, args, env, mpirun_args, wrapper=()) -> "MPIResult":
     resultdir = tempfile.mkdtemp(prefix="ringsync-mpi-")
     try:
-        command = mpirun_command(np, list(mpirun_args), worker_command(resultdir, target, args))
+        command = list(wrapper) + mpirun_command(np, list(mpirun_args),
+                                                 worker_command(resultdir, target, args))
         process = subprocess.Popen(
             command,
             stdin=subprocess.DEVNULL,

@@ -3,11 +3,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 
-#include "checked.h"
-#include "internal.h"
-
-const char *rs_dtype_name(int dtype);
-const char *rs_kind_name(int kind);
+#include "engine.h" /* (the names of dtypes and kinds, for messages) */
 
 uint64_t rs_fnv1a(const void *data, size_t len) {
     const unsigned char *p = data;

@@ -51,7 +51,9 @@ extern const rs_transport_t rs_tcp_transport;
 extern const rs_transport_t rs_shm_transport;
 struct rs_shm;
 /* After TCP has connected: map shared memory with the same-host peers and switch to the
- * shm transport (required: every peer must be on this host). */
+ * shm transport. The host's ranks agree: if any cannot get its segment, all stay on TCP
+ * (auto: one warning each on stderr; required: an RS_ERR_SYSTEM error on each). Required
+ * also means every peer must be on this host. */
 rs_status_t rs_shm_setup(rs_comm_t *comm, int required);
 
 /* The same-host fast lane (direct.c) keeps RS_DIRECT_AREAS areas of this many bytes at the

@@ -1,7 +1,7 @@
 /* Shared-memory transport for peers on the same host, with TCP for the rest.
  *
  * Bytes to a same-host peer go through a single-producer single-consumer ring in shared
- * memory: each rank maps one segment holding a ring per peer that sends to it, and maps
+ * memory: each rank maps one segment holding a ring per other rank on its host, and maps
  * its same-host peers' segments to send to them. The TCP connections stay, for peers on
  * other hosts and for everything that needs the kernel: noticing a peer's death (hangup)
  * or abort (urgent byte), and waking a rank that sleeps. A waiting rank spins on the ring
@@ -9,24 +9,37 @@
  * peer's socket; the peer, after moving bytes, sends one doorbell byte only when it sees
  * that flag. So a busy exchange makes no system calls and an idle rank uses no CPU.
  *
- * Segments are named after the job's public id and the rank, created exclusively, and
- * unlinked as soon as every same-host peer has mapped them: nothing stays in /dev/shm,
- * even if the job is killed later. */
+ * Segments are named after the job's public id, the rank and the creator's pid, created
+ * exclusively, their pages reserved at once, and unlinked as soon as every same-host peer
+ * has mapped them. A rank killed before that leaves its segment behind: the next job on
+ * the host removes it (remove_orphans), and so do its peers if they got its name.
+ *
+ * Whether a host's ranks use shared memory is agreed among them: if one cannot create,
+ * reserve or map a segment (a small /dev/shm), all fall back to TCP with each other (or,
+ * with RINGSYNC_TRANSPORT=shm, all fail): a rank on shared memory would wait forever for
+ * a peer that sends over TCP. */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include "internal.h"
 
 #define RING_BYTES ((uint64_t)1 << 21) /* per sending peer: 2 MiB */
 #define DOORBELL 'D'
+#define SHM_DIR "/dev/shm" /* where shm_open keeps segments (glibc) */
+#define NAME_PREFIX "ringsync-"
+#define NAME_LEN 80
 
 typedef struct {
     uint64_t head; /* bytes the producer has written, ever (written by the producer) */
@@ -44,69 +57,226 @@ typedef struct {
     char data[RING_BYTES];
 } ring_t;
 
+/* What same-host ranks tell each other at each setup barrier. */
+typedef struct {
+    int32_t error; /* 0, or the errno that stopped the sender's last setup step */
+    int32_t pid;   /* names the sender's segment */
+} hello_t;
+
 struct rs_shm {
-    ring_t *mine;       /* my segment: ring p holds bytes from rank p */
-    ring_t **theirs;    /* per peer: its segment (NULL if not same-host) */
-    unsigned char *local; /* per peer: 1 if it is reached through shared memory */
+    ring_t *mine;     /* my segment: a ring per other rank on this host */
+    ring_t **theirs;  /* per peer: its segment (NULL if not same-host) */
+    ring_t **rx;      /* per peer: the ring it sends to me through (NULL: not same-host) */
+    ring_t **tx;      /* per peer: the ring I send to it through */
+    int *index;       /* per rank: its place among this host's ranks, or -1 */
+    int *pids;        /* per same-host peer: its pid, once known (0: not known) */
+    int local_size;   /* ranks on this host, me included */
     size_t segment_bytes;
-    char name[64];
-    int unlinked;
+    int fd;           /* my segment, created and not yet unlinked: holds a shared lock */
+    char name[NAME_LEN];
+    char why[512];    /* why this rank could not set up shared memory */
 };
 
 static int is_local(const rs_comm_t *comm, int peer) {
-    return comm->shm && peer >= 0 && comm->shm->local[peer];
+    return comm->shm && peer >= 0 && comm->shm->rx[peer];
+}
+
+/* ---- naming, and orphans of dead jobs ---- */
+
+static void segment_name(char *out, size_t len, uint64_t job_id, int rank, int pid) {
+    snprintf(out, len, "/" NAME_PREFIX "%016llx-%d-%d", (unsigned long long)job_id, rank, pid);
+}
+
+/* The pid that ends "ringsync-<16 hex digits>-<rank>-<pid>", or 0 for any other name
+ * (Open MPI's files, segments of older versions). */
+static long creator_pid(const char *entry) {
+    const char *digits = "0123456789";
+    size_t prefix = strlen(NAME_PREFIX);
+    if (strncmp(entry, NAME_PREFIX, prefix) != 0)
+        return 0;
+    const char *s = entry + prefix;
+    if (strspn(s, "0123456789abcdef") != 16 || s[16] != '-')
+        return 0;
+    s += 17;
+    size_t rank_len = strspn(s, digits);
+    if (rank_len == 0 || s[rank_len] != '-')
+        return 0;
+    s += rank_len + 1;
+    size_t pid_len = strspn(s, digits);
+    if (pid_len == 0 || pid_len > 9 || s[pid_len] != '\0')
+        return 0;
+    return strtol(s, NULL, 10);
+}
+
+/* Removes the segment unless a live process holds its lock. The pid alone is not enough
+ * where containers share /dev/shm but not pids: there a live creator's pid can look dead
+ * to us, but its lock shows. Unlinked while we hold the lock, so that nobody could have
+ * taken it over in between. */
+static void remove_if_unlocked(const char *entry) {
+    char name[NAME_LEN];
+    if (snprintf(name, sizeof name, "/%s", entry) >= (int)sizeof name)
+        return;
+    int fd = shm_open(name, O_RDONLY, 0);
+    if (fd < 0)
+        return; /* gone already, or another user's (which we could not unlink anyway) */
+    if (flock(fd, LOCK_EX | LOCK_NB) == 0)
+        shm_unlink(name);
+    close(fd);
+}
+
+/* Segments are unlinked once mapped, so any left in /dev/shm belong to ranks killed
+ * during setup. One whose creator is gone (by the pid in its name) is removed: best
+ * effort, a name we cannot read or remove is left alone. */
+static void remove_orphans(void) {
+    DIR *dir = opendir(SHM_DIR);
+    if (!dir)
+        return;
+    struct dirent *e;
+    while ((e = readdir(dir)) != NULL) {
+        long pid = creator_pid(e->d_name);
+        if (pid > 0 && kill((pid_t)pid, 0) != 0 && errno == ESRCH)
+            remove_if_unlocked(e->d_name);
+    }
+    closedir(dir);
 }
 
 /* ---- setup ---- */
 
-static rs_status_t sys_fail(rs_comm_t *comm, const char *what, const char *name) {
-    return rs_fail(comm, RS_ERR_SYSTEM, "rank %d: %s %s: %s (shared-memory transport; "
-                   "RINGSYNC_TRANSPORT=tcp avoids it)", comm->rank, what, name, strerror(errno));
+static double mib(double bytes) { return bytes / (1 << 20); }
+
+/* "; /dev/shm: 1.2 of 64.0 MiB free", or nothing where it cannot be read. */
+static void describe_space(char *out, size_t len) {
+    struct statvfs vfs;
+    out[0] = '\0';
+    if (statvfs(SHM_DIR, &vfs) == 0)
+        snprintf(out, len, "; %s: %.1f of %.1f MiB free", SHM_DIR,
+                 mib((double)vfs.f_bavail * vfs.f_frsize), mib((double)vfs.f_blocks * vfs.f_frsize));
 }
 
-static void segment_name(char *out, size_t len, uint64_t job_id, int rank) {
-    snprintf(out, len, "/ringsync-%016llx-%d", (unsigned long long)job_id, rank);
+/* Records why this rank cannot use shared memory (for the warning or error); returns
+ * the error, for the next barrier to carry. */
+static int note(struct rs_shm *shm, int error, const char *what, const char *name) {
+    char space[128];
+    describe_space(space, sizeof space);
+    snprintf(shm->why, sizeof shm->why, "cannot %s %s (%.1f MiB%s): %s", what, name,
+             mib((double)shm->segment_bytes), space, strerror(error));
+    return error;
 }
 
-static rs_status_t map_segment(rs_comm_t *comm, const char *name, int create, size_t bytes,
-                               ring_t **out) {
-    int fd = shm_open(name, create ? O_CREAT | O_EXCL | O_RDWR : O_RDWR, 0600);
+/* Sizes the file and reserves its pages now: a full /dev/shm then fails here, instead of
+ * killing a rank with SIGBUS when it first touches a page that tmpfs cannot supply.
+ * posix_fallocate returns the error (it does not set errno); tmpfs gives up with EINTR
+ * when a signal is pending. */
+static int reserve(int fd, size_t bytes) {
+    int error;
+    do
+        error = posix_fallocate(fd, 0, (off_t)bytes);
+    while (error == EINTR);
+    return error;
+}
+
+/* The fd stays open, with a shared lock that tells orphan scans we are alive, until the
+ * segment is unlinked. */
+static int create_segment(struct rs_shm *shm) {
+    shm->fd = shm_open(shm->name, O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (shm->fd < 0)
+        return note(shm, errno, "create", shm->name);
+    struct stat st;
+    if (flock(shm->fd, LOCK_SH) != 0 || fstat(shm->fd, &st) != 0)
+        return note(shm, errno, "lock", shm->name);
+    if (st.st_nlink == 0) /* a scan elsewhere took it for an orphan before we locked it */
+        return note(shm, EAGAIN, "keep", shm->name);
+    int error = reserve(shm->fd, shm->segment_bytes);
+    if (error)
+        return note(shm, error, "reserve", shm->name);
+    void *p = mmap(NULL, shm->segment_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, shm->fd, 0);
+    if (p == MAP_FAILED)
+        return note(shm, errno, "map", shm->name);
+    shm->mine = p;
+    return 0;
+}
+
+static void unlink_mine(struct rs_shm *shm) {
+    if (shm->fd < 0)
+        return; /* not created (a failed O_EXCL create is someone else's), or unlinked */
+    shm_unlink(shm->name);
+    close(shm->fd);
+    shm->fd = -1;
+}
+
+/* A peer's segment must be as large as ours: mapping more than the file holds would turn
+ * into SIGBUS at the first touch past its end. */
+static int map_peer(rs_comm_t *comm, int peer) {
+    struct rs_shm *shm = comm->shm;
+    char name[NAME_LEN];
+    segment_name(name, sizeof name, comm->job_id, peer, shm->pids[peer]);
+    int fd = shm_open(name, O_RDWR, 0600);
     if (fd < 0)
-        return sys_fail(comm, create ? "cannot create" : "cannot open", name);
+        return note(shm, errno, "open", name);
+    struct stat st;
     void *p = MAP_FAILED;
-    if (!create || ftruncate(fd, (off_t)bytes) == 0)
-        p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    int saved = errno;
+    int error = fstat(fd, &st) != 0 ? errno : (size_t)st.st_size < shm->segment_bytes ? EINVAL : 0;
+    if (!error && (p = mmap(NULL, shm->segment_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
+                            0)) == MAP_FAILED)
+        error = errno;
     close(fd);
-    if (p == MAP_FAILED) {
-        if (create)
-            shm_unlink(name); /* created here, never to be used */
-        errno = saved;
-        return sys_fail(comm, "cannot size or map", name);
-    }
-    *out = p;
-    return RS_OK;
+    if (error)
+        return note(shm, error, "map", name);
+    shm->theirs[peer] = p;
+    return 0;
 }
 
-/* One byte to and from every same-host peer over TCP: a barrier among them. */
-static rs_status_t local_barrier(rs_comm_t *comm) {
+static int is_peer(const rs_comm_t *comm, int p) {
+    return p != comm->rank && comm->shm->index[p] >= 0;
+}
+
+/* Learns the peers' pids (those whose hello arrived, even if the barrier failed later:
+ * their segments can then still be removed). */
+static void take_hellos(rs_comm_t *comm, const rs_xfer_t *xfers, int n) {
+    for (int k = 0; k < n; k++) {
+        const hello_t *h = (const hello_t *)xfers[k].buf;
+        if (!xfers[k].is_send && xfers[k].done == sizeof *h && h->pid > 0)
+            comm->shm->pids[xfers[k].peer] = h->pid;
+    }
+}
+
+/* The lowest rank on this host whose hello carries an error (or -1), and that error. */
+static int first_failed(rs_comm_t *comm, const hello_t *hellos, int *error) {
+    for (int p = 0; p < comm->size; p++)
+        if ((p == comm->rank || is_peer(comm, p)) && hellos[p].error) {
+            *error = hellos[p].error;
+            return p;
+        }
+    return -1;
+}
+
+/* A barrier among this host's ranks, over TCP: each sends its pid and how its last step
+ * went (`error`, 0 if fine) to every other. Every rank sees the same hellos, so all
+ * agree on *failed: the lowest rank that failed, or -1. */
+static rs_status_t local_barrier(rs_comm_t *comm, int error, int *failed, int *failed_error) {
     int n = 0;
     rs_xfer_t *xfers = calloc(2 * (size_t)comm->size, sizeof *xfers);
-    char *bytes = calloc(2 * (size_t)comm->size, 1);
-    if (!xfers || !bytes) {
+    hello_t *hellos = calloc((size_t)comm->size, sizeof *hellos);
+    if (!xfers || !hellos) {
         free(xfers);
-        free(bytes);
+        free(hellos);
         return rs_fail(comm, RS_ERR_NOMEM, "out of memory");
     }
+    hellos[comm->rank] = (hello_t){.error = error, .pid = (int32_t)getpid()};
     for (int p = 0; p < comm->size; p++) {
-        if (!comm->shm->local[p])
+        if (!is_peer(comm, p))
             continue;
-        xfers[n++] = (rs_xfer_t){.peer = p, .is_send = 1, .buf = &bytes[2 * p], .len = 1};
-        xfers[n++] = (rs_xfer_t){.peer = p, .is_send = 0, .buf = &bytes[2 * p + 1], .len = 1};
+        xfers[n++] = (rs_xfer_t){.peer = p, .is_send = 1, .buf = (char *)&hellos[comm->rank],
+                                 .len = sizeof(hello_t)};
+        xfers[n++] = (rs_xfer_t){.peer = p, .is_send = 0, .buf = (char *)&hellos[p],
+                                 .len = sizeof(hello_t)};
     }
     rs_status_t st = rs_progress(comm, xfers, n);
+    take_hellos(comm, xfers, n);
+    if (st == RS_OK)
+        *failed = first_failed(comm, hellos, failed_error);
     free(xfers);
-    free(bytes);
+    free(hellos);
     return st;
 }
 
@@ -114,34 +284,63 @@ static void shm_release(rs_comm_t *comm) {
     struct rs_shm *shm = comm->shm;
     if (!shm)
         return;
-    if (shm->mine && !shm->unlinked) /* ours only: a failed O_EXCL create is someone else's */
-        shm_unlink(shm->name);
+    unlink_mine(shm);
     for (int p = 0; shm->theirs && p < comm->size; p++)
         if (shm->theirs[p])
             munmap(shm->theirs[p], shm->segment_bytes);
     if (shm->mine)
         munmap(shm->mine, shm->segment_bytes);
     free(shm->theirs);
-    free(shm->local);
+    free(shm->rx);
+    free(shm->tx);
+    free(shm->index);
+    free(shm->pids);
     free(shm);
     comm->shm = NULL;
 }
 
-static rs_status_t map_peers(rs_comm_t *comm) {
-    struct rs_shm *shm = comm->shm;
-    RS_CHECK(map_segment(comm, shm->name, 1, shm->segment_bytes, &shm->mine));
-    RS_CHECK(local_barrier(comm)); /* every segment exists */
+/* Setup failed (a peer died or timed out between creating its segment and unlinking it):
+ * remove the peers' segments we know the names of, not only ours, since their creators
+ * may never get to it. Those still alive have mapped theirs already, or fail too. */
+static void remove_peer_segments(rs_comm_t *comm) {
     for (int p = 0; p < comm->size; p++) {
-        if (!shm->local[p])
+        if (!is_peer(comm, p) || comm->shm->pids[p] <= 0)
             continue;
-        char name[64];
-        segment_name(name, sizeof name, comm->job_id, p);
-        RS_CHECK(map_segment(comm, name, 0, shm->segment_bytes, &shm->theirs[p]));
+        char name[NAME_LEN];
+        segment_name(name, sizeof name, comm->job_id, p, comm->shm->pids[p]);
+        shm_unlink(name);
     }
-    RS_CHECK(local_barrier(comm)); /* every segment is mapped by all who need it */
-    shm_unlink(shm->name);
-    shm->unlinked = 1;
+}
+
+/* Creates, then maps, with a barrier after each step that tells every rank whether all
+ * succeeded (*failed < 0). An error return is a failed barrier (TCP, a peer gone). */
+static rs_status_t attach(rs_comm_t *comm, int *failed, int *error) {
+    struct rs_shm *shm = comm->shm;
+    RS_CHECK(local_barrier(comm, create_segment(shm), failed, error)); /* all exist */
+    if (*failed >= 0)
+        return RS_OK;
+    int mapped = 0;
+    for (int p = 0; p < comm->size && !mapped; p++)
+        if (is_peer(comm, p))
+            mapped = map_peer(comm, p);
+    RS_CHECK(local_barrier(comm, mapped, failed, error)); /* all mapped by all who need them */
+    unlink_mine(shm);
     return RS_OK;
+}
+
+/* Rings in a segment are indexed by the sender's place among the receiver's host's other
+ * ranks: a segment holds local_size - 1 rings, whatever the world size. */
+static int slot(const struct rs_shm *shm, int sender, int receiver) {
+    return shm->index[sender] - (shm->index[sender] > shm->index[receiver]);
+}
+
+static void wire_rings(rs_comm_t *comm) {
+    struct rs_shm *shm = comm->shm;
+    for (int p = 0; p < comm->size; p++)
+        if (is_peer(comm, p)) {
+            shm->rx[p] = &shm->mine[slot(shm, p, comm->rank)];
+            shm->tx[p] = &shm->theirs[p][slot(shm, comm->rank, p)];
+        }
 }
 
 static int same_host(const rs_comm_t *comm, int peer) {
@@ -149,39 +348,84 @@ static int same_host(const rs_comm_t *comm, int peer) {
            strcmp(rs_peer_host(comm, peer), rs_peer_host(comm, comm->rank)) == 0;
 }
 
-rs_status_t rs_shm_setup(rs_comm_t *comm, int required) {
-    int any = 0;
+static rs_status_t shm_alloc(rs_comm_t *comm) {
+    struct rs_shm *shm = calloc(1, sizeof *shm);
+    if (!shm)
+        return rs_fail(comm, RS_ERR_NOMEM, "out of memory");
+    comm->shm = shm;
+    shm->fd = -1;
+    shm->theirs = calloc((size_t)comm->size, sizeof *shm->theirs);
+    shm->rx = calloc((size_t)comm->size, sizeof *shm->rx);
+    shm->tx = calloc((size_t)comm->size, sizeof *shm->tx);
+    shm->index = calloc((size_t)comm->size, sizeof *shm->index);
+    shm->pids = calloc((size_t)comm->size, sizeof *shm->pids);
+    if (!shm->theirs || !shm->rx || !shm->tx || !shm->index || !shm->pids) {
+        shm_release(comm);
+        return rs_fail(comm, RS_ERR_NOMEM, "out of memory");
+    }
+    /* Every rank of a host sees the same list of the host's ranks, in rank order. */
+    for (int p = 0; p < comm->size; p++)
+        shm->index[p] = p == comm->rank || same_host(comm, p) ? shm->local_size++ : -1;
+    /* The same-host fast lane's areas (direct.c) follow the rings. */
+    shm->segment_bytes = (size_t)(shm->local_size - 1) * sizeof(ring_t) +
+                         RS_DIRECT_AREAS * RS_DIRECT_AREA_BYTES;
+    segment_name(shm->name, sizeof shm->name, comm->job_id, comm->rank, (int)getpid());
+    return RS_OK;
+}
+
+/* Shared memory could not be had on this host: a clear error where it was required,
+ * else one warning and TCP with the same-host peers. */
+static rs_status_t refuse(rs_comm_t *comm, int required, int failed, int error) {
+    struct rs_shm *shm = comm->shm;
+    char reason[768];
+    if (failed == comm->rank) {
+        snprintf(reason, sizeof reason, "%s", shm->why);
+    } else {
+        char space[128];
+        describe_space(space, sizeof space);
+        snprintf(reason, sizeof reason, "rank %d could not set up its segment (%.1f MiB%s): %s",
+                 failed, mib((double)shm->segment_bytes), space, strerror(error));
+    }
+    if (required)
+        return rs_fail(comm, RS_ERR_SYSTEM, "rank %d: RINGSYNC_TRANSPORT=shm, but shared memory "
+                       "with the ranks on this host is unavailable: %s; RINGSYNC_TRANSPORT=tcp "
+                       "avoids it (or a larger /dev/shm)", comm->rank, reason);
+    fprintf(stderr, "ringsync: rank %d: shared memory unavailable (%s); using TCP with "
+            "same-host peers\n", comm->rank, reason);
+    return RS_OK;
+}
+
+static rs_status_t check_hosts(rs_comm_t *comm, int required, int *any) {
+    *any = 0;
     for (int p = 0; p < comm->size; p++) {
         if (required && p != comm->rank && !same_host(comm, p))
             return rs_fail(comm, RS_ERR_USAGE, "RINGSYNC_TRANSPORT=shm, but rank %d is on host "
                            "%s, not on %s with rank %d", p, rs_peer_host(comm, p),
                            rs_peer_host(comm, comm->rank), comm->rank);
-        any |= same_host(comm, p);
+        *any |= same_host(comm, p);
     }
+    return RS_OK;
+}
+
+rs_status_t rs_shm_setup(rs_comm_t *comm, int required) {
+    int any, failed = -1, error = 0;
+    RS_CHECK(check_hosts(comm, required, &any));
     if (!any)
         return RS_OK;
-    struct rs_shm *shm = calloc(1, sizeof *shm);
-    if (!shm)
-        return rs_fail(comm, RS_ERR_NOMEM, "out of memory");
-    comm->shm = shm;
-    shm->theirs = calloc((size_t)comm->size, sizeof *shm->theirs);
-    shm->local = calloc((size_t)comm->size, 1);
-    if (!shm->theirs || !shm->local) {
-        shm_release(comm);
-        return rs_fail(comm, RS_ERR_NOMEM, "out of memory");
-    }
-    for (int p = 0; p < comm->size; p++)
-        shm->local[p] = (unsigned char)same_host(comm, p);
-    /* Rings are indexed by sending rank; pages of unused ones are never touched. The
-     * same-host fast lane's area (direct.c) follows them. */
-    shm->segment_bytes = (size_t)comm->size * sizeof(ring_t) + RS_DIRECT_AREAS * RS_DIRECT_AREA_BYTES;
-    segment_name(shm->name, sizeof shm->name, comm->job_id, comm->rank);
+    RS_CHECK(shm_alloc(comm));
+    if (comm->shm->index[comm->rank] == 0) /* one scan per host and job is enough */
+        remove_orphans();
     /* The setup barriers run over TCP: the hybrid table is installed only after. */
-    rs_status_t st = map_peers(comm);
-    if (st != RS_OK) {
-        shm_release(comm);
+    rs_status_t st = attach(comm, &failed, &error);
+    if (st != RS_OK)
+        remove_peer_segments(comm);
+    else if (failed >= 0)
+        st = refuse(comm, required, failed, error);
+    if (st != RS_OK || failed >= 0) {
+        shm_release(comm); /* comm->shm stays NULL on TCP: the lane looks at it */
         return st;
     }
+    wire_rings(comm);
     comm->transport = &rs_shm_transport;
     return RS_OK;
 }
@@ -196,15 +440,16 @@ int rs_shm_all_local(const rs_comm_t *comm) {
 }
 
 void *rs_shm_direct_area(rs_comm_t *comm, int rank, int area) {
-    ring_t *segment = rank == comm->rank ? comm->shm->mine : comm->shm->theirs[rank];
-    return (char *)segment + (size_t)comm->size * sizeof(ring_t) +
+    struct rs_shm *shm = comm->shm;
+    ring_t *segment = rank == comm->rank ? shm->mine : shm->theirs[rank];
+    return (char *)segment + (size_t)(shm->local_size - 1) * sizeof(ring_t) +
            (size_t)area * RS_DIRECT_AREA_BYTES;
 }
 
 /* ---- the rings ---- */
 
-static ring_t *ring_to(rs_comm_t *comm, int peer) { return &comm->shm->theirs[peer][comm->rank]; }
-static ring_t *ring_from(rs_comm_t *comm, int peer) { return &comm->shm->mine[peer]; }
+static ring_t *ring_to(rs_comm_t *comm, int peer) { return comm->shm->tx[peer]; }
+static ring_t *ring_from(rs_comm_t *comm, int peer) { return comm->shm->rx[peer]; }
 
 static void ring_doorbell(rs_comm_t *comm, int peer, int *sleeping) {
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
