@@ -13,7 +13,8 @@ CODES = {"uint8": lib.RS_UINT8, "int8": lib.RS_INT8, "int32": lib.RS_INT32,
 def _values(dtype):
     """Extremes, small values of both signs, and a spread in between."""
     info = np.iinfo(dtype)
-    spread = np.linspace(info.min, info.max, 61, dtype=np.float64).astype(np.int64)
+    low, high = int(info.min), int(info.max)
+    spread = np.array([low + (high - low) * k // 60 for k in range(61)], dtype=np.int64)
     picked = [info.min, info.min + 1, -7, -1, 0, 1, 2, 7, info.max - 1, info.max]
     values = np.concatenate([np.array(picked, dtype=np.int64), spread])
     return np.clip(values, info.min, info.max).astype(dtype)
