@@ -72,7 +72,7 @@ int rs_meta_check(const rs_meta_t *m, int size, char *why, size_t cap, int64_t *
     if (!isfinite(m->prescale) || !isfinite(m->postscale))
         return problem(why, cap, "scale factors must be finite numbers, got prescale %g "
                        "postscale %g", m->prescale, m->postscale);
-    int64_t n, b;
+    int64_t n = 0, b;
     if (check_shape(m, why, cap, &n) != 0)
         return -1;
     int64_t elem = has_data(m->kind) ? (int64_t)rs_dtype_size(m->dtype) : 0;

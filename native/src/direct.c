@@ -294,8 +294,9 @@ static char *disagreement(const rs_direct_t *d, uint64_t seq) {
     }
     char name[RS_MAX_NAME_LEN + 1];
     snprintf(name, sizeof name, "%.*s", RS_MAX_NAME_LEN, first->name);
-    rs_meta_t *metas = calloc((size_t)size, sizeof *metas);
-    unsigned char *submitted = malloc((size_t)size);
+    size_t ranks = (size_t)(unsigned)size; /* (at least two: the lane needs a peer) */
+    rs_meta_t *metas = calloc(ranks, sizeof *metas);
+    unsigned char *submitted = malloc(ranks);
     if (!metas || !submitted) {
         free(metas);
         free(submitted);
@@ -310,13 +311,6 @@ static char *disagreement(const rs_direct_t *d, uint64_t seq) {
     free(metas);
     free(submitted);
     return message;
-}
-
-static int any_uses_engine(const rs_direct_t *d, uint64_t seq) {
-    for (int r = 0; r < d->comm->size; r++)
-        if (d->areas[r]->posts[seq & 1].flags & POST_USE_ENGINE)
-            return 1;
-    return 0;
 }
 
 static rs_status_t reduce_posts(rs_direct_t *d, uint64_t seq, const rs_meta_t *meta,
