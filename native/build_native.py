@@ -10,7 +10,7 @@ from cffi import FFI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 INCLUDE = os.path.join(HERE, "include")
-SOURCES = ["checked.c", "comm.c", "transport_tcp.c", "transport_shm.c", "reduce.c", "algorithms.c", "negotiate.c", "execute.c",
+SOURCES = ["checked.c", "comm.c", "auth.c", "transport_tcp.c", "transport_shm.c", "reduce.c", "algorithms.c", "negotiate.c", "execute.c",
            "timeline.c", "engine.c", "direct.c"]
 
 

@@ -177,14 +177,14 @@ class Communicator:
     def _connect(self):
         # Errors travel through the allgather instead of being raised here: a rank that
         # raised before it would leave its peers waiting in MPI forever.
-        me, local_error, bound_all = self._open_listener()
+        me, local_error = self._open_listener()
         peers = self._mpi.allgather((me, local_error, self.config.agreed()))
         self._raise_if_any_failed([err for _, err, _ in peers], "setting up the listening socket")
         self._raise_if_settings_differ([settings for _, _, settings in peers])
         infos = [info for info, _, _ in peers]
         self.host_names = [p.host_name for p in infos]
         self.topology = bootstrap.topology(self.host_names, self._rank)
-        self._connect_ring(infos, me.host_name, bound_all)
+        self._connect_ring(infos)
         lib.rs_comm_set_spin(self._c, self._spin_seconds())
         lib.rs_comm_set_small_allreduce(self._c, self.config.small_allreduce_bytes)
 
@@ -204,16 +204,17 @@ class Communicator:
         return 50e-6 if _cores_per_local_rank(self.topology.local_size) >= 1 else 0.0
 
     def _open_listener(self):
-        """(this rank's PeerInfo, an error or None, whether it listens on all interfaces)."""
+        """(this rank's PeerInfo, an error or None). A rank listens only on the address it
+        advertises: stray clients elsewhere never reach it."""
         me = bootstrap.PeerInfo(self.config.host_name or socket.gethostname(), "", 0)
         mode = _TRANSPORT_MODES.get(self.config.transport.lower())
         if mode is None:
             return me, ("usage", f"rank {self._rank}: RINGSYNC_TRANSPORT="
-                        f"{self.config.transport!r} is not one of {', '.join(_TRANSPORT_MODES)}"), False
+                        f"{self.config.transport!r} is not one of {', '.join(_TRANSPORT_MODES)}")
         try:
             bind_host, advertised = bootstrap.listen_addresses(self.config.iface)
         except UsageError as e:
-            return me, ("usage", f"rank {self._rank}: {e}"), False
+            return me, ("usage", f"rank {self._rank}: {e}")
         cptr, port = ffi.new("rs_comm_t **"), ffi.new("int *")
         status = lib.rs_comm_create(self._rank, self._size, bind_host.encode(),
                                     self.config.timeout_seconds,
@@ -222,10 +223,10 @@ class Communicator:
         if status == lib.RS_OK:
             status = lib.rs_comm_set_transport(self._c, mode)
         me = dataclasses.replace(me, address=advertised, port=port[0])
-        return me, self._error_text(status, "creating the ring"), bind_host == ""
+        return me, self._error_text(status, "creating the ring")
 
-    def _connect_ring(self, infos, my_host, bound_all):
-        addresses = bootstrap.connect_addresses(infos, my_host, bound_all)
+    def _connect_ring(self, infos):
+        addresses = bootstrap.connect_addresses(infos)
         keys = self._mpi.bcast(bootstrap.JobKeys.new() if self._rank == 0 else None, root=0)
         keep = [ffi.new("char[]", s.encode()) for s in addresses + self.host_names]
         hosts, names = keep[: self._size], keep[self._size:]

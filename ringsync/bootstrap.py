@@ -64,14 +64,25 @@ def _interface_ipv4(name: str) -> str:
     return socket.inet_ntoa(packed[20:24])
 
 
+def _is_local(address: str) -> bool:
+    """Whether this host owns the address (a name can resolve to one it does not)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((address, 0))
+        return True
+    except OSError:
+        return False
+
+
 def _routable_ipv4() -> str:
-    """An address other hosts can reach: the host name's, unless it resolves only to
-    loopback, then the source address of the default route (a UDP connect sends nothing)."""
+    """An address of this host that other hosts can reach: the host name's, unless it
+    resolves only to loopback or to an address not on this host, then the source address
+    of the default route (a UDP connect sends nothing); loopback if there is neither."""
     try:
         infos = socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)
         for info in infos:
             addr = info[4][0]
-            if not ipaddress.ip_address(addr).is_loopback:
+            if not ipaddress.ip_address(addr).is_loopback and _is_local(addr):
                 return addr
     except OSError:
         pass
@@ -84,17 +95,20 @@ def _routable_ipv4() -> str:
 
 
 def listen_addresses(iface) -> Tuple[str, str]:
-    """(address to bind, address to advertise). Without RINGSYNC_IFACE, listen on all
-    interfaces so both same-host peers (over loopback) and other hosts can connect."""
+    """(address to bind, address to advertise): the same one. A rank listens only where
+    its peers reach it (RINGSYNC_IFACE's address, else the routable one), not on every
+    interface: a listener is a door for any client that can reach it."""
     if iface:
         address = iface if _is_ip(iface) else _interface_ipv4(iface)
-        return address, address
-    return "", _routable_ipv4()
+    else:
+        address = _routable_ipv4()
+    return address, address
 
 
-def connect_addresses(peers: Sequence[PeerInfo], my_host: str, bound_all: bool) -> List[str]:
-    """Same-host peers are reached over loopback when we listen on every interface."""
-    return ["127.0.0.1" if bound_all and p.host_name == my_host else p.address for p in peers]
+def connect_addresses(peers: Sequence[PeerInfo]) -> List[str]:
+    """Where to reach each peer: the address it advertised and listens on, also for peers
+    on this host (the address is local, so the kernel keeps that traffic on loopback)."""
+    return [p.address for p in peers]
 
 
 def topology(host_names: Sequence[str], rank: int) -> Topology:

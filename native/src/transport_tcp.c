@@ -7,14 +7,15 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "auth.h"
 #include "internal.h"
-
-#define HELLO_MAGIC 0x52494e4753594e43ULL /* "RINGSYNC" */
 
 typedef struct {
     int listen_fd;
@@ -24,18 +25,7 @@ typedef struct {
     struct pollfd *pfds;
 } tcp_state_t;
 
-typedef struct {
-    uint64_t magic;
-    uint64_t token;
-    int64_t rank;
-} hello_t;
-
 static tcp_state_t *state_of(rs_comm_t *comm) { return (tcp_state_t *)comm->transport_state; }
-
-static int set_nonblocking(int fd) {
-    int flags = fcntl(fd, F_GETFL, 0);
-    return flags < 0 ? -1 : fcntl(fd, F_SETFL, flags | O_NONBLOCK);
-}
 
 static void tune_socket(int fd) {
     int one = 1;
@@ -89,7 +79,8 @@ static rs_status_t tcp_listen(rs_comm_t *comm, const char *bind_host, int *port)
     socklen_t len;
     if (parse_address(bind_host, 0, &ss, &len) != 0)
         return rs_fail(comm, RS_ERR_USAGE, "cannot parse bind address '%s'", bind_host);
-    int fd = socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    /* Non-blocking: setup accepts every waiting client until none is left. */
+    int fd = socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0)
         return rs_fail(comm, RS_ERR_SYSTEM, "socket(): %s", strerror(errno));
     st->listen_fd = fd;
@@ -107,124 +98,565 @@ static rs_status_t tcp_listen(rs_comm_t *comm, const char *bind_host, int *port)
     return RS_OK;
 }
 
-/* Wait until fd is ready for `events`, at most until deadline. */
-static rs_status_t wait_fd(rs_comm_t *comm, int fd, short events, double deadline,
-                           const char *what, int peer) {
-    for (;;) {
-        double left = deadline - rs_now();
-        if (left <= 0)
-            return rs_fail(comm, RS_ERR_TIMEOUT, "rank %d: timed out %s rank %d (host %s)",
-                           comm->rank, what, peer, rs_peer_host(comm, peer));
-        struct pollfd p = {.fd = fd, .events = events};
-        int r = poll(&p, 1, (int)(left * 1000) + 1);
-        if (r > 0)
-            return RS_OK;
-        if (r < 0 && errno != EINTR)
-            return rs_fail(comm, RS_ERR_SYSTEM, "poll(): %s", strerror(errno));
-    }
+/* ---- connection setup ----
+ *
+ * Every pair of ranks shares one socket: the higher rank connects, the lower one accepts.
+ * Each connection proves, in both directions, that its ends know the job's secret (handed
+ * out over MPI only; the job id, by contrast, is public: it names shared segments). The
+ * secret itself never crosses the wire:
+ *
+ *   connector -> acceptor  HELLO      magic, job id, connector's rank, version,
+ *                                     acceptor's rank, nonce_c
+ *   acceptor -> connector  CHALLENGE  nonce_a, MAC("ringsync-accept", transcript)
+ *   connector -> acceptor  PROOF      MAC("ringsync-connect", transcript)
+ *
+ * transcript = version, job id, both ranks, nonce_c, nonce_a; MAC = HMAC-SHA256 keyed with
+ * the secret; nonces are fresh random bytes. The connector checks the acceptor's MAC before
+ * it answers, so a stray listener at a peer's address is never believed. The acceptor
+ * registers a socket as a rank's only once its proof checks out; a recorded HELLO and PROOF
+ * replayed later fail, since nonce_a is new each time. The two labels differ, so neither
+ * MAC can be reflected back as the other.
+ *
+ * Both directions run in one poll loop: the lower ranks we dial, and every incoming client
+ * at once. A client's bytes are untrusted until its proof checks out: one that is silent,
+ * slow, malformed or unauthenticated is dropped on its own short deadline and logged, and
+ * never delays the real peers or gets blamed on a rank. */
+
+#define HELLO_MAGIC 0x52494e4753594e43ULL /* "RINGSYNC" */
+#define HELLO_VERSION 2u
+#define NONCE_BYTES 16
+#define HELLO_BYTES (8 + 8 + 8 + 4 + 4 + NONCE_BYTES)
+#define CHALLENGE_BYTES (NONCE_BYTES + RS_SHA256_BYTES)
+#define PROOF_BYTES RS_SHA256_BYTES
+#define MAX_MESSAGE_BYTES HELLO_BYTES /* the largest of the three */
+#define ACCEPT_LABEL "ringsync-accept"
+#define CONNECT_LABEL "ringsync-connect"
+/* A real peer greets at once and answers within a round trip; a client gets this long. */
+#define GREETING_SECONDS 5.0
+/* Incoming clients in progress at once; a flood of them evicts the oldest first. */
+#define MAX_GREETINGS 64
+/* Dropped clients logged per setup: a port scan must not flood stderr. */
+#define MAX_DROP_LOGS 16
+/* Redialling a peer that is not listening yet (or dropped us): first pause, longest. */
+#define REDIAL_FIRST_SECONDS 0.02
+#define REDIAL_MAX_SECONDS 0.5
+
+typedef enum {
+    DIALING, SEND_HELLO, RECV_CHALLENGE, SEND_PROOF, /* we connect to a lower rank */
+    RECV_HELLO, SEND_CHALLENGE, RECV_PROOF           /* a client connects to us */
+} step_t;
+
+/* One connection being set up, in either direction. */
+typedef struct {
+    int fd;   /* -1: a free incoming slot, or an outgoing one waiting to redial */
+    int peer; /* the rank we dial, or the one an incoming client claims (-1 before) */
+    step_t step;
+    unsigned char msg[MAX_MESSAGE_BYTES]; /* the message this step sends or receives */
+    size_t len, done;
+    unsigned char nonce_c[NONCE_BYTES], nonce_a[NONCE_BYTES];
+    double deadline; /* incoming: dropped then; outgoing without fd: redialled then */
+    double since;    /* incoming: accepted at (the oldest goes first) */
+    double backoff;  /* outgoing: the next pause before a redial */
+    int last_errno;  /* outgoing: why the last attempt failed (0: closed by the peer) */
+    char from[INET6_ADDRSTRLEN + 8]; /* incoming: "address:port", for the log */
+} shake_t;
+
+typedef struct {
+    rs_comm_t *comm;
+    const char **hosts;
+    const int *ports;
+    double deadline;  /* of the whole setup */
+    int missing;      /* peers not connected yet */
+    int dropped;      /* unknown clients dropped so far */
+    shake_t *out;     /* [peer] for each lower rank */
+    shake_t in[MAX_GREETINGS];
+    struct pollfd *pfds; /* the listening socket, then one per connection in progress */
+    shake_t **owners;    /* owners[i]: the connection behind pfds[i] (NULL: listening) */
+} setup_t;
+
+static int is_incoming(const shake_t *sh) { return sh->step >= RECV_HELLO; }
+
+static int is_sending(step_t step) {
+    return step == SEND_HELLO || step == SEND_PROOF || step == SEND_CHALLENGE;
 }
 
-/* Blocking-with-deadline exact transfer, used only during connection setup. */
-static rs_status_t transfer_exact(rs_comm_t *comm, int fd, void *buf, size_t len, int sending,
-                                  double deadline, int peer) {
-    size_t done = 0;
-    while (done < len) {
-        ssize_t r = sending ? send(fd, (char *)buf + done, len - done, MSG_NOSIGNAL)
-                            : recv(fd, (char *)buf + done, len - done, 0);
+static void start_step(shake_t *sh, step_t step, size_t len) {
+    sh->step = step;
+    sh->len = len;
+    sh->done = 0;
+}
+
+static void close_shake(shake_t *sh) {
+    if (sh->fd >= 0)
+        close(sh->fd);
+    sh->fd = -1;
+}
+
+/* Explicit little-endian fields: the wire format does not depend on either host. */
+static void put64(unsigned char *p, uint64_t v) {
+    for (int i = 0; i < 8; i++)
+        p[i] = (unsigned char)(v >> (8 * i));
+}
+
+static void put32(unsigned char *p, uint32_t v) {
+    for (int i = 0; i < 4; i++)
+        p[i] = (unsigned char)(v >> (8 * i));
+}
+
+static uint64_t get_le(const unsigned char *p, int bytes) {
+    uint64_t v = 0;
+    for (int i = bytes - 1; i >= 0; i--)
+        v = v << 8 | p[i];
+    return v;
+}
+
+static uint64_t get64(const unsigned char *p) { return get_le(p, 8); }
+static uint32_t get32(const unsigned char *p) { return (uint32_t)get_le(p, 4); }
+
+/* The MAC over one handshake. Every field has a fixed size and the label its NUL, so no
+ * two different transcripts hash the same bytes. */
+static void handshake_mac(const rs_comm_t *comm, const char *label, int connector,
+                          int acceptor, const shake_t *sh, unsigned char out[RS_SHA256_BYTES]) {
+    unsigned char fields[4 + 8 + 4 + 4];
+    put32(fields, HELLO_VERSION);
+    put64(fields + 4, comm->job_id);
+    put32(fields + 12, (uint32_t)connector);
+    put32(fields + 16, (uint32_t)acceptor);
+    rs_hmac_t m;
+    rs_hmac_init(&m, comm->secret, comm->secret_len);
+    rs_hmac_update(&m, label, strlen(label) + 1);
+    rs_hmac_update(&m, fields, sizeof fields);
+    rs_hmac_update(&m, sh->nonce_c, NONCE_BYTES);
+    rs_hmac_update(&m, sh->nonce_a, NONCE_BYTES);
+    rs_hmac_final(&m, out);
+}
+
+/* Move what the socket takes or gives now, never past this step's message (the bytes
+ * after a PROOF are the peer's first data). 1: message complete; 0: not yet; -1: the
+ * connection closed (errno 0) or failed (errno set). */
+static int pump(shake_t *sh) {
+    while (sh->done < sh->len) {
+        ssize_t r = is_sending(sh->step)
+                        ? send(sh->fd, sh->msg + sh->done, sh->len - sh->done, MSG_NOSIGNAL)
+                        : recv(sh->fd, sh->msg + sh->done, sh->len - sh->done, 0);
         if (r > 0) {
-            done += (size_t)r;
+            sh->done += (size_t)r;
             continue;
         }
-        if (r == 0)
-            return rs_fail(comm, RS_ERR_COMM, "rank %d: connection closed during setup "
-                           "(peer rank %d)", comm->rank, peer);
-        if (errno == EINTR)
+        if (r < 0 && errno == EINTR)
             continue;
-        if (errno != EAGAIN && errno != EWOULDBLOCK)
-            return rs_fail(comm, RS_ERR_COMM, "rank %d: setup with rank %d (host %s): %s",
-                           comm->rank, peer, rs_peer_host(comm, peer), strerror(errno));
-        RS_CHECK(wait_fd(comm, fd, sending ? POLLOUT : POLLIN, deadline,
-                         "exchanging greetings with", peer));
+        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+            return 0;
+        if (r == 0)
+            errno = 0;
+        return -1;
     }
+    return 1;
+}
+
+static void register_peer(setup_t *s, shake_t *sh) {
+    state_of(s->comm)->fds[sh->peer] = sh->fd;
+    sh->fd = -1; /* the socket is the peer's now */
+    s->missing--;
+}
+
+/* ---- setup: the lower ranks we dial ---- */
+
+static rs_status_t send_hello(setup_t *s, shake_t *sh) {
+    rs_comm_t *comm = s->comm;
+    if (rs_random_bytes(sh->nonce_c, NONCE_BYTES) != 0)
+        return rs_fail(comm, RS_ERR_SYSTEM, "getrandom(): %s", strerror(errno));
+    put64(sh->msg, HELLO_MAGIC);
+    put64(sh->msg + 8, comm->job_id);
+    put64(sh->msg + 16, (uint64_t)(int64_t)comm->rank);
+    put32(sh->msg + 24, HELLO_VERSION);
+    put32(sh->msg + 28, (uint32_t)sh->peer);
+    memcpy(sh->msg + 32, sh->nonce_c, NONCE_BYTES);
+    start_step(sh, SEND_HELLO, HELLO_BYTES);
     return RS_OK;
 }
 
-static rs_status_t connect_one(rs_comm_t *comm, int peer, const char *host, int port,
-                               uint64_t token, double deadline) {
-    struct sockaddr_storage ss;
-    socklen_t len;
-    if (parse_address(host, port, &ss, &len) != 0)
-        return rs_fail(comm, RS_ERR_USAGE, "rank %d: cannot parse address '%s' of rank %d",
-                       comm->rank, host, peer);
-    for (;;) {
-        int fd = socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-        if (fd < 0)
-            return rs_fail(comm, RS_ERR_SYSTEM, "socket(): %s", strerror(errno));
-        state_of(comm)->fds[peer] = fd;
-        tune_socket(fd);
-        int r = connect(fd, (struct sockaddr *)&ss, len);
-        if (r != 0 && errno == EINPROGRESS) {
-            RS_CHECK(wait_fd(comm, fd, POLLOUT, deadline, "connecting to", peer));
-            int err = 0;
-            socklen_t elen = sizeof err;
-            getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &elen);
-            r = err ? -1 : 0;
-            errno = err;
-        }
-        if (r == 0) {
-            hello_t hello = {HELLO_MAGIC, token, comm->rank};
-            return transfer_exact(comm, fd, &hello, sizeof hello, 1, deadline, peer);
-        }
-        int err = errno;
-        close(fd);
-        state_of(comm)->fds[peer] = -1;
-        if (rs_now() >= deadline || (err != ECONNREFUSED && err != ETIMEDOUT))
-            return rs_fail(comm, RS_ERR_COMM, "rank %d: cannot connect to rank %d at %s:%d "
-                           "(host %s): %s", comm->rank, peer, host, port,
-                           rs_peer_host(comm, peer), strerror(err));
-        usleep(20000); /* the peer may still be starting to listen */
-    }
+/* A peer that refuses, resets or closes may still be starting, or may have dropped us
+ * among too many clients: try again shortly, until the setup deadline. */
+static void redial_later(shake_t *sh, int err) {
+    close_shake(sh);
+    sh->last_errno = err;
+    sh->deadline = rs_now() + sh->backoff;
+    sh->backoff = sh->backoff * 2 < REDIAL_MAX_SECONDS ? sh->backoff * 2 : REDIAL_MAX_SECONDS;
 }
 
-/* Accept one connection and check its greeting; strays are closed and ignored. */
-static rs_status_t accept_one(rs_comm_t *comm, uint64_t token, double deadline) {
-    tcp_state_t *st = state_of(comm);
-    for (;;) {
-        RS_CHECK(wait_fd(comm, st->listen_fd, POLLIN, deadline,
-                         "waiting for a connection from a higher", comm->rank + 1));
-        int fd = accept4(st->listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
-        if (fd < 0)
-            continue;
-        tune_socket(fd);
-        hello_t hello;
-        if (transfer_exact(comm, fd, &hello, sizeof hello, 0, deadline, -1) != RS_OK ||
-            hello.magic != HELLO_MAGIC || hello.token != token || hello.rank <= comm->rank ||
-            hello.rank >= comm->size || st->fds[hello.rank] >= 0) {
-            close(fd);
-            comm->broken = 0; /* a bad stray does not break the communicator */
-            continue;
+static rs_status_t dial_failed(setup_t *s, shake_t *sh, int err) {
+    if (err == ECONNREFUSED || err == ETIMEDOUT || err == ECONNRESET || err == EAGAIN) {
+        redial_later(sh, err);
+        return RS_OK;
+    }
+    close_shake(sh);
+    int p = sh->peer;
+    return rs_fail(s->comm, RS_ERR_COMM, "rank %d: cannot connect to rank %d at %s:%d (host "
+                   "%s): %s", s->comm->rank, p, s->hosts[p], s->ports[p],
+                   rs_peer_host(s->comm, p), strerror(err));
+}
+
+static rs_status_t dial(setup_t *s, shake_t *sh) {
+    rs_comm_t *comm = s->comm;
+    int p = sh->peer;
+    struct sockaddr_storage ss;
+    socklen_t len;
+    if (parse_address(s->hosts[p], s->ports[p], &ss, &len) != 0)
+        return rs_fail(comm, RS_ERR_USAGE, "rank %d: cannot parse address '%s' of rank %d",
+                       comm->rank, s->hosts[p], p);
+    sh->fd = socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (sh->fd < 0)
+        return rs_fail(comm, RS_ERR_SYSTEM, "socket(): %s", strerror(errno));
+    tune_socket(sh->fd);
+    if (connect(sh->fd, (struct sockaddr *)&ss, len) == 0)
+        return send_hello(s, sh);
+    if (errno == EINPROGRESS) {
+        start_step(sh, DIALING, 0);
+        return RS_OK;
+    }
+    return dial_failed(s, sh, errno);
+}
+
+static rs_status_t dial_finished(setup_t *s, shake_t *sh) {
+    int err = 0;
+    socklen_t elen = sizeof err;
+    if (getsockopt(sh->fd, SOL_SOCKET, SO_ERROR, &err, &elen) != 0)
+        err = errno;
+    return err ? dial_failed(s, sh, err) : send_hello(s, sh);
+}
+
+/* The next message of a connection we dialled, once the current one is complete. */
+static rs_status_t outgoing_next(setup_t *s, shake_t *sh) {
+    rs_comm_t *comm = s->comm;
+    unsigned char expected[RS_SHA256_BYTES];
+    int p = sh->peer;
+    switch (sh->step) {
+    case SEND_HELLO:
+        start_step(sh, RECV_CHALLENGE, CHALLENGE_BYTES);
+        return RS_OK;
+    case RECV_CHALLENGE:
+        memcpy(sh->nonce_a, sh->msg, NONCE_BYTES);
+        handshake_mac(comm, ACCEPT_LABEL, comm->rank, p, sh, expected);
+        if (!rs_equal_secret(expected, sh->msg + NONCE_BYTES, RS_SHA256_BYTES)) {
+            close_shake(sh);
+            return rs_fail(comm, RS_ERR_COMM, "rank %d: the listener at %s:%d, where rank %d "
+                           "(host %s) should be, did not prove that it knows this job's "
+                           "secret (another program on that port?)", comm->rank, s->hosts[p],
+                           s->ports[p], p, rs_peer_host(comm, p));
         }
-        st->fds[hello.rank] = fd;
+        handshake_mac(comm, CONNECT_LABEL, comm->rank, p, sh, sh->msg);
+        start_step(sh, SEND_PROOF, PROOF_BYTES);
+        return RS_OK;
+    default: /* SEND_PROOF: the acceptor is authenticated, and will find us so too */
+        register_peer(s, sh);
         return RS_OK;
     }
 }
 
-static rs_status_t tcp_connect(rs_comm_t *comm, const char **hosts, const int *ports) {
-    uint64_t token = comm->job_id; /* (placeholder until the challenge-response lands) */
-    double deadline = rs_now() + comm->setup_seconds;
-    /* Lower ranks accept, higher ranks connect: every pair gets exactly one socket. The
-     * listen backlog lets all connects finish before anyone accepts. */
-    for (int peer = 0; peer < comm->rank; peer++)
-        RS_CHECK(connect_one(comm, peer, hosts[peer], ports[peer], token, deadline));
-    for (int n = comm->rank + 1; n < comm->size; n++)
-        RS_CHECK(accept_one(comm, token, deadline));
-    tcp_state_t *st = state_of(comm);
-    close(st->listen_fd);
-    st->listen_fd = -1;
-    for (int peer = 0; peer < comm->size; peer++)
-        if (peer != comm->rank && set_nonblocking(st->fds[peer]) != 0)
-            return rs_fail(comm, RS_ERR_SYSTEM, "fcntl(): %s", strerror(errno));
+/* ---- setup: clients that connect to us ---- */
+
+static void drop(setup_t *s, shake_t *sh, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* Close an incoming client that has not proved to be a rank; log it, never fail on it. */
+static void drop(setup_t *s, shake_t *sh, const char *fmt, ...) {
+    if (s->dropped < MAX_DROP_LOGS) {
+        char why[256];
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(why, sizeof why, fmt, ap);
+        va_end(ap);
+        fprintf(stderr, "ringsync: rank %d: dropped a connection from %s: %s\n",
+                s->comm->rank, sh->from, why);
+    } else if (s->dropped == MAX_DROP_LOGS) {
+        fprintf(stderr, "ringsync: rank %d: dropping more connections without logging "
+                "them\n", s->comm->rank);
+    }
+    s->dropped++;
+    close_shake(sh);
+}
+
+/* Check a HELLO field by field (every byte of it comes from an unknown client) and
+ * answer with the challenge; or drop the client. */
+static void check_hello(setup_t *s, shake_t *sh) {
+    rs_comm_t *comm = s->comm;
+    const unsigned char *m = sh->msg;
+    int64_t rank = (int64_t)get64(m + 16);
+    if (get64(m) != HELLO_MAGIC)
+        drop(s, sh, "not a ringsync greeting");
+    else if (get32(m + 24) != HELLO_VERSION)
+        drop(s, sh, "greeting of protocol version %u, not %u", get32(m + 24), HELLO_VERSION);
+    else if (get64(m + 8) != comm->job_id)
+        drop(s, sh, "greeting for another job");
+    else if (get32(m + 28) != (uint32_t)comm->rank)
+        drop(s, sh, "greeting meant for rank %u", get32(m + 28));
+    else if (rank <= comm->rank || rank >= comm->size)
+        drop(s, sh, "claims rank %lld, which does not connect to this one", (long long)rank);
+    else if (state_of(comm)->fds[rank] >= 0)
+        drop(s, sh, "claims rank %lld, which is connected already", (long long)rank);
+    else if (rs_random_bytes(sh->nonce_a, NONCE_BYTES) != 0)
+        drop(s, sh, "getrandom(): %s", strerror(errno));
+    else {
+        sh->peer = (int)rank;
+        memcpy(sh->nonce_c, m + 32, NONCE_BYTES);
+        memcpy(sh->msg, sh->nonce_a, NONCE_BYTES);
+        handshake_mac(comm, ACCEPT_LABEL, sh->peer, comm->rank, sh, sh->msg + NONCE_BYTES);
+        start_step(sh, SEND_CHALLENGE, CHALLENGE_BYTES);
+    }
+}
+
+/* Check a PROOF: only now is the client known to be the rank it claims. */
+static void check_proof(setup_t *s, shake_t *sh) {
+    unsigned char expected[RS_SHA256_BYTES];
+    handshake_mac(s->comm, CONNECT_LABEL, sh->peer, s->comm->rank, sh, expected);
+    if (!rs_equal_secret(expected, sh->msg, PROOF_BYTES))
+        drop(s, sh, "claims rank %d but did not prove that it knows the job's secret",
+             sh->peer);
+    else if (state_of(s->comm)->fds[sh->peer] >= 0)
+        drop(s, sh, "rank %d is connected already", sh->peer); /* only the first proof wins */
+    else
+        register_peer(s, sh);
+}
+
+/* The next message of an incoming connection, once the current one is complete. */
+static void incoming_next(setup_t *s, shake_t *sh) {
+    if (sh->step == RECV_HELLO)
+        check_hello(s, sh);
+    else if (sh->step == SEND_CHALLENGE)
+        start_step(sh, RECV_PROOF, PROOF_BYTES);
+    else
+        check_proof(s, sh);
+}
+
+static void describe_address(const struct sockaddr_storage *ss, char *out, size_t len) {
+    char host[INET6_ADDRSTRLEN] = "?";
+    if (ss->ss_family == AF_INET6) {
+        const struct sockaddr_in6 *a6 = (const struct sockaddr_in6 *)ss;
+        inet_ntop(AF_INET6, &a6->sin6_addr, host, sizeof host);
+        snprintf(out, len, "[%s]:%d", host, ntohs(a6->sin6_port));
+        return;
+    }
+    const struct sockaddr_in *a4 = (const struct sockaddr_in *)ss;
+    inet_ntop(AF_INET, &a4->sin_addr, host, sizeof host);
+    snprintf(out, len, "%s:%d", host, ntohs(a4->sin_port));
+}
+
+/* A slot for a new client: a free one, else the oldest client's. */
+static shake_t *greeting_slot(setup_t *s) {
+    shake_t *oldest = &s->in[0];
+    for (int i = 0; i < MAX_GREETINGS; i++) {
+        if (s->in[i].fd < 0)
+            return &s->in[i];
+        if (s->in[i].since < oldest->since)
+            oldest = &s->in[i];
+    }
+    drop(s, oldest, "more than %d greetings in progress at once", MAX_GREETINGS);
+    return oldest;
+}
+
+static rs_status_t progress_shake(setup_t *s, shake_t *sh);
+
+/* Take every waiting client; each gets a slot and its own deadline, and is read at once:
+ * a real peer's HELLO is usually there already, and a bad one frees its slot early. */
+static rs_status_t accept_clients(setup_t *s) {
+    int listen_fd = state_of(s->comm)->listen_fd;
+    for (;;) {
+        struct sockaddr_storage ss;
+        socklen_t len = sizeof ss;
+        int fd = accept4(listen_fd, (struct sockaddr *)&ss, &len, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (fd < 0 && errno == EINTR)
+            continue;
+        if (fd < 0)
+            return RS_OK; /* none left (or, e.g., out of fds: the next poll tries again) */
+        tune_socket(fd);
+        shake_t *sh = greeting_slot(s);
+        sh->fd = fd;
+        sh->peer = -1;
+        sh->since = rs_now();
+        sh->deadline = sh->since + GREETING_SECONDS;
+        describe_address(&ss, sh->from, sizeof sh->from);
+        start_step(sh, RECV_HELLO, HELLO_BYTES);
+        RS_CHECK(progress_shake(s, sh));
+    }
+}
+
+/* ---- setup: the loop ---- */
+
+/* Move one connection on as far as its socket allows now. */
+static rs_status_t progress_shake(setup_t *s, shake_t *sh) {
+    if (sh->fd >= 0 && sh->step == DIALING)
+        RS_CHECK(dial_finished(s, sh));
+    while (sh->fd >= 0 && sh->step != DIALING) {
+        int r = pump(sh);
+        if (r == 0)
+            return RS_OK;
+        if (r < 0 && !is_incoming(sh)) {
+            redial_later(sh, errno);
+            return RS_OK;
+        }
+        if (r < 0) {
+            int nothing = sh->step == RECV_HELLO && sh->done == 0;
+            drop(s, sh, "%s%s", errno ? strerror(errno) : "closed the connection",
+                 nothing ? " before any greeting" : " during the greeting");
+            return RS_OK;
+        }
+        if (is_incoming(sh))
+            incoming_next(s, sh);
+        else
+            RS_CHECK(outgoing_next(s, sh));
+    }
     return RS_OK;
+}
+
+/* Drop clients past their own deadline; redial lower ranks whose pause is over. */
+static rs_status_t handle_deadlines(setup_t *s, double now) {
+    for (int i = 0; i < MAX_GREETINGS; i++) {
+        shake_t *sh = &s->in[i];
+        if (sh->fd >= 0 && now >= sh->deadline)
+            drop(s, sh, "%s within %.0f s", sh->step == RECV_HELLO && sh->done == 0
+                 ? "sent no greeting" : "did not complete the greeting", GREETING_SECONDS);
+    }
+    for (int p = 0; p < s->comm->rank; p++) {
+        shake_t *sh = &s->out[p];
+        if (sh->fd < 0 && state_of(s->comm)->fds[p] < 0 && now >= sh->deadline)
+            RS_CHECK(dial(s, sh));
+    }
+    return RS_OK;
+}
+
+static void watch(setup_t *s, int *n, int fd, short events, shake_t *owner) {
+    s->pfds[*n] = (struct pollfd){.fd = fd, .events = events};
+    s->owners[*n] = owner;
+    (*n)++;
+}
+
+/* Fill the poll set; return how many entries, and in *wake when to look again anyway. */
+static int poll_set(setup_t *s, double *wake) {
+    rs_comm_t *comm = s->comm;
+    tcp_state_t *st = state_of(comm);
+    int n = 0;
+    *wake = s->deadline;
+    for (int p = comm->rank + 1; p < comm->size; p++)
+        if (st->fds[p] < 0) {
+            watch(s, &n, st->listen_fd, POLLIN, NULL); /* some higher rank still to come */
+            break;
+        }
+    for (int p = 0; p < comm->rank; p++) {
+        shake_t *sh = &s->out[p];
+        if (sh->fd >= 0)
+            watch(s, &n, sh->fd, is_sending(sh->step) || sh->step == DIALING ? POLLOUT : POLLIN,
+                  sh);
+        else if (st->fds[p] < 0 && sh->deadline < *wake)
+            *wake = sh->deadline;
+    }
+    for (int i = 0; i < MAX_GREETINGS; i++) {
+        shake_t *sh = &s->in[i];
+        if (sh->fd < 0)
+            continue;
+        watch(s, &n, sh->fd, is_sending(sh->step) ? POLLOUT : POLLIN, sh);
+        if (sh->deadline < *wake)
+            *wake = sh->deadline;
+    }
+    return n;
+}
+
+/* The setup deadline passed: name every rank that did not connect, and why. */
+static rs_status_t fail_setup_timeout(setup_t *s) {
+    rs_comm_t *comm = s->comm;
+    char text[RS_ERROR_LEN - 128];
+    size_t at = 0;
+    text[0] = '\0';
+    for (int p = 0; p < comm->size && at < sizeof text; p++) {
+        if (p == comm->rank || state_of(comm)->fds[p] >= 0)
+            continue;
+        const shake_t *sh = p < comm->rank ? &s->out[p] : NULL;
+        const char *why = !sh ? "never connected"
+                          : sh->fd >= 0 && sh->step == DIALING ? "did not accept our connection"
+                          : sh->fd >= 0 ? "did not answer our greeting"
+                          : sh->last_errno ? strerror(sh->last_errno)
+                                           : "closed our connections during the greeting";
+        at += (size_t)snprintf(text + at, sizeof text - at, "%srank %d (host %s) %s",
+                               at ? "; " : "", p, rs_peer_host(comm, p), why);
+    }
+    return rs_fail(comm, RS_ERR_TIMEOUT, "rank %d: timed out after %.1f s connecting the ring "
+                   "(RINGSYNC_START_TIMEOUT_SECONDS=%g): %s%s", comm->rank, comm->setup_seconds,
+                   comm->setup_seconds, text, s->dropped ? " (unknown clients were dropped)" : "");
+}
+
+static rs_status_t run_setup(setup_t *s) {
+    for (int p = 0; p < s->comm->rank; p++)
+        RS_CHECK(dial(s, &s->out[p]));
+    while (s->missing > 0) {
+        double now = rs_now();
+        RS_CHECK(handle_deadlines(s, now));
+        if (now >= s->deadline)
+            return fail_setup_timeout(s);
+        double wake;
+        int n = poll_set(s, &wake);
+        double wait = wake - now < 1.0 ? wake - now : 1.0; /* (any setup timeout fits) */
+        int r = poll(s->pfds, (nfds_t)n, (int)(wait * 1000) + 1);
+        if (r < 0 && errno != EINTR)
+            return rs_fail(s->comm, RS_ERR_SYSTEM, "poll(): %s", strerror(errno));
+        /* Connections first, new clients last: accepting may evict a slot polled above. */
+        for (int i = 0; r > 0 && i < n; i++)
+            if (s->owners[i] && s->pfds[i].revents)
+                RS_CHECK(progress_shake(s, s->owners[i]));
+        if (r > 0 && n > 0 && !s->owners[0] && s->pfds[0].revents)
+            RS_CHECK(accept_clients(s));
+    }
+    return RS_OK;
+}
+
+static setup_t *new_setup(rs_comm_t *comm, const char **hosts, const int *ports) {
+    setup_t *s = calloc(1, sizeof *s);
+    size_t slots = 1 + (size_t)comm->rank + MAX_GREETINGS;
+    if (!s)
+        return NULL;
+    s->out = calloc((size_t)comm->rank + 1, sizeof *s->out);
+    s->pfds = calloc(slots, sizeof *s->pfds);
+    s->owners = calloc(slots, sizeof *s->owners);
+    s->comm = comm;
+    s->hosts = hosts;
+    s->ports = ports;
+    s->missing = comm->size - 1;
+    s->deadline = rs_now() + comm->setup_seconds;
+    for (int i = 0; i < MAX_GREETINGS; i++)
+        s->in[i].fd = -1;
+    for (int p = 0; s->out && p < comm->rank; p++)
+        s->out[p] = (shake_t){.fd = -1, .peer = p, .backoff = REDIAL_FIRST_SECONDS};
+    return s;
+}
+
+/* Close whatever is still half-done (it is no peer) and free the setup. */
+static void end_setup(setup_t *s) {
+    for (int i = 0; i < MAX_GREETINGS; i++)
+        if (s->in[i].fd >= 0)
+            drop(s, &s->in[i], "%s before setup finished", s->in[i].step == RECV_HELLO &&
+                 s->in[i].done == 0 ? "sent no greeting" : "did not complete the greeting");
+    for (int p = 0; s->out && p < s->comm->rank; p++)
+        close_shake(&s->out[p]);
+    free(s->out);
+    free(s->pfds);
+    free(s->owners);
+    free(s);
+}
+
+static rs_status_t tcp_connect(rs_comm_t *comm, const char **hosts, const int *ports) {
+    tcp_state_t *st = state_of(comm);
+    setup_t *s = new_setup(comm, hosts, ports);
+    if (!s || !s->out || !s->pfds || !s->owners) {
+        if (s)
+            end_setup(s);
+        return rs_fail(comm, RS_ERR_NOMEM, "out of memory");
+    }
+    rs_status_t status = run_setup(s);
+    end_setup(s);
+    if (status == RS_OK) {
+        close(st->listen_fd); /* later clients are refused by the kernel */
+        st->listen_fd = -1;
+    }
+    return status;
 }
 
 /* A rank that aborts after seeing a failure elsewhere sends this one urgent (out-of-band)
