@@ -86,7 +86,14 @@ rs_status_t rs_comm_connect(rs_comm_t *comm, const char **hosts, const int *port
     RS_CHECK(comm->transport->connect(comm, hosts, ports));
     if (comm->transport_mode == RS_TRANSPORT_TCP || comm->size == 1)
         return RS_OK;
-    return rs_shm_setup(comm, comm->transport_mode == RS_TRANSPORT_SHM);
+    /* Shared-memory setup exchanges over the new connections: it is still setup, bounded
+     * by the setup deadline even where the collectives have no limit (a peer that hangs in
+     * init() must not hang the others forever). Single-threaded here: no engine yet. */
+    double limit = comm->timeout_seconds;
+    comm->timeout_seconds = comm->setup_seconds;
+    rs_status_t st = rs_shm_setup(comm, comm->transport_mode == RS_TRANSPORT_SHM);
+    comm->timeout_seconds = limit;
+    return st;
 }
 
 rs_status_t rs_comm_set_transport(rs_comm_t *comm, int mode) {
