@@ -4,6 +4,7 @@ Every collective is a request to the engine (a background thread in the native c
 the `_async` calls return a Handle at once, `synchronize(handle)` waits for it, and the
 plain calls do both. The GIL is released while the core works (cffi releases it).
 """
+import collections
 import dataclasses
 import itertools
 import os
@@ -163,7 +164,10 @@ class Communicator:
         self._lane = False
         self._per_thread = threading.local()
         self._auto_names = itertools.count()
-        self._orphans = []  # (handle ids, buffers) of dropped pending handles
+        # (handle ids, buffers) of dropped pending handles. A deque: a handle may be dropped
+        # (by the garbage collector, in any thread) while a sweep runs, and its append and
+        # popleft are atomic.
+        self._orphans = collections.deque()
         try:
             self._connect()
             self._start_engine()
@@ -292,7 +296,7 @@ class Communicator:
         if self._engine != ffi.NULL:
             lib.rs_engine_destroy(self._engine)  # joins its thread: no buffer is in use after
             self._engine = ffi.NULL
-        self._orphans = []
+        self._orphans.clear()
         if self._c != ffi.NULL:
             lib.rs_comm_destroy(self._c)
             self._c = ffi.NULL
@@ -382,14 +386,13 @@ class Communicator:
     def _release_finished_orphans(self):
         """Free what dropped handles held, once the engine has finished with it (checked at
         each submission, so that their number stays bounded by what is still running)."""
-        pending = []
-        for ids, keep in self._orphans:
+        for _ in range(len(self._orphans)):
+            ids, keep = self._orphans.popleft()
             if all(lib.rs_engine_poll(self._engine, h) != 0 for h in ids):
                 for h in ids:
                     lib.rs_engine_release(self._engine, h)
             else:
-                pending.append((ids, keep))
-        self._orphans = pending
+                self._orphans.append((ids, keep))
 
     def _submit(self, requests: List[_Request], finish: Callable, what: str) -> Handle:
         """Hand requests to the engine. A blocking call (one urgent request) tries the
