@@ -10,8 +10,10 @@ from cffi import FFI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 INCLUDE = os.path.join(HERE, "include")
-SOURCES = ["checked.c", "comm.c", "auth.c", "transport_tcp.c", "transport_shm.c", "reduce.c", "algorithms.c", "negotiate.c", "execute.c",
-           "timeline.c", "engine.c", "direct.c"]
+# Bottom to top: each file calls only files listed before it (tests/unit/test_native_layers.py).
+SOURCES = ["util.c", "reduce.c", "checked.c", "auth.c", "status.c", "progress.c",
+           "transport_tcp.c", "transport_shm.c", "comm.c", "algorithms.c", "timeline.c",
+           "negotiate.c", "direct.c", "execute.c", "engine.c"]
 
 
 def public_declarations():

@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "internal.h"
+#include "util.h"
 
 /* Received data is reduced in pieces of this size while the rest is still arriving,
  * so that reduction overlaps transfer within each ring step. */
@@ -50,19 +51,18 @@ static rs_status_t blocks_from_counts(rs_comm_t *comm, const int64_t *counts, si
     return RS_OK;
 }
 
-/* Split `count` elements into size nearly equal blocks; the first count % size get one more. */
+/* Split `count` elements into size nearly equal blocks (rs_even_part). */
 static rs_status_t blocks_even(rs_comm_t *comm, size_t count, size_t unit, blocks_t *b) {
-    int64_t stack_counts[64] = {0};
-    int64_t *counts = comm->size <= 64 ? stack_counts : malloc((size_t)comm->size * 8);
-    if (!counts)
+    b->bytes = malloc(2 * (size_t)comm->size * sizeof(size_t));
+    if (!b->bytes)
         return rs_fail(comm, RS_ERR_NOMEM, "out of memory");
-    for (int i = 0; i < comm->size; i++)
-        counts[i] = (int64_t)(count / (size_t)comm->size + ((size_t)i < count % (size_t)comm->size));
-    size_t total;
-    rs_status_t st = blocks_from_counts(comm, counts, unit, b, &total);
-    if (counts != stack_counts)
-        free(counts);
-    return st;
+    b->offset = b->bytes + comm->size;
+    for (int i = 0; i < comm->size; i++) {
+        rs_even_part(count, comm->size, i, &b->offset[i], &b->bytes[i]);
+        b->offset[i] *= unit;
+        b->bytes[i] *= unit;
+    }
+    return RS_OK;
 }
 
 static rs_status_t check_reduction_args(rs_comm_t *comm, rs_dtype_t dtype, rs_op_t op) {

@@ -3,15 +3,9 @@
 #include <stdarg.h>
 #include <stdio.h>
 
-#include "engine.h" /* (the names of dtypes and kinds, for messages) */
-
-uint64_t rs_fnv1a(const void *data, size_t len) {
-    const unsigned char *p = data;
-    uint64_t h = 1469598103934665603ULL;
-    for (size_t i = 0; i < len; i++)
-        h = (h ^ p[i]) * 1099511628211ULL;
-    return h;
-}
+#include "checked.h"
+#include "internal.h"
+#include "util.h"
 
 int rs_mul_checked(int64_t a, int64_t b, int64_t *out) {
     if (a < 0 || b < 0 || (b != 0 && a > RS_MAX_BYTES / b))

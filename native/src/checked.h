@@ -17,10 +17,6 @@
 int rs_mul_checked(int64_t a, int64_t b, int64_t *out);
 int rs_add_checked(int64_t a, int64_t b, int64_t *out);
 
-/* FNV-1a, 64 bits: names in hash maps, a check that a peer's bytes arrived as announced
- * (it detects misparsing, not forgery: connections are authenticated). */
-uint64_t rs_fnv1a(const void *data, size_t len);
-
 /* What every rank must agree on for a tensor (allgather / alltoall: all but shape[0]). */
 typedef struct {
     int32_t kind;

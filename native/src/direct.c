@@ -82,7 +82,7 @@ struct rs_direct {
 
 rs_direct_t *rs_direct_create(rs_comm_t *comm, int area, double spin_seconds,
                               double stall_seconds, size_t max_bytes) {
-    if (comm->size < 2 || !rs_shm_all_local(comm))
+    if (comm->size < 2 || !comm->transport->shared_area(comm, comm->rank, area))
         return NULL;
     rs_direct_t *d = calloc(1, sizeof *d);
     if (!d || !(d->areas = calloc((size_t)comm->size, sizeof *d->areas))) {
@@ -90,7 +90,7 @@ rs_direct_t *rs_direct_create(rs_comm_t *comm, int area, double spin_seconds,
         return NULL;
     }
     for (int r = 0; r < comm->size; r++)
-        d->areas[r] = rs_shm_direct_area(comm, r, area);
+        d->areas[r] = comm->transport->shared_area(comm, r, area);
     d->comm = comm;
     d->spin_seconds = spin_seconds;
     d->stall_seconds = stall_seconds;
@@ -161,15 +161,15 @@ static void doze(rs_direct_t *d, double seconds, int (*ready)(const rs_direct_t 
 /* ---- waiting for every rank's post ---- */
 
 static void missing_ranks(const rs_direct_t *d, uint64_t seq, int want, char *out, size_t cap) {
-    size_t at = (size_t)snprintf(out, cap, "[");
-    int first = 1;
-    for (int r = 0; r < d->comm->size && at < cap; r++)
-        if (posted(d, r, seq) == want) {
-            at += (size_t)snprintf(out + at, cap - at, first ? "%d" : ", %d", r);
-            first = 0;
-        }
-    if (at < cap)
-        snprintf(out + at, cap - at, "]");
+    unsigned char *flags = malloc((size_t)(unsigned)d->comm->size);
+    if (!flags) {
+        snprintf(out, cap, "[?]");
+        return;
+    }
+    for (int r = 0; r < d->comm->size; r++)
+        flags[r] = (unsigned char)posted(d, r, seq);
+    rs_format_ranks(flags, d->comm->size, want, out, cap);
+    free(flags);
 }
 
 /* A dead peer is named in preference to one that aborted because of it. */
@@ -185,7 +185,7 @@ static rs_status_t check_peers(rs_direct_t *d, double *abort_seen, char *error, 
     for (int p = 0; p < comm->size; p++) {
         if (p == comm->rank)
             continue;
-        int state = rs_tcp_peer_state(comm, p);
+        int state = comm->transport->peer_state(comm, p);
         if (state == RS_PEER_LOST) {
             snprintf(error, cap, "rank %d: connection to rank %d (host %s) was lost (peer "
                      "process gone?)", comm->rank, p, rs_peer_host(comm, p));
@@ -453,13 +453,6 @@ void rs_direct_serve_joined(rs_direct_t *d, double seconds) {
 #define STAGE_CHUNK_BYTES ((size_t)256 << 10)
 _Static_assert(STAGE_CHUNK_BYTES <= RS_DIRECT_MAX_BYTES, "a staged chunk fits a post");
 
-/* Elements [*lo, *lo + *n) of a chunk of `count` are rank r's to reduce. */
-static void slice_of(size_t count, int size, int r, size_t *lo, size_t *n) {
-    size_t base = count / (size_t)size, extra = count % (size_t)size;
-    *lo = (size_t)r * base + ((size_t)r < extra ? (size_t)r : extra);
-    *n = base + ((size_t)r < extra);
-}
-
 typedef struct {
     rs_dtype_t dtype;
     rs_op_t op;
@@ -488,7 +481,7 @@ static rs_status_t staged_chunk(rs_direct_t *d, const char *send, char *recv, si
     uint64_t seq = ++d->seq;
     char *slot = d->areas[me]->posts[seq & 1].data;
     size_t lo, n;
-    slice_of(count, size, me, &lo, &n);
+    rs_even_part(count, size, me, &lo, &n);
     RS_CHECK(stage(slot, send, 0, lo, red));
     RS_CHECK(stage(slot, send, lo + n, count - lo - n, red));
     publish(d, &d->areas[me]->posts[seq & 1].seq, seq);
@@ -508,7 +501,7 @@ static rs_status_t staged_chunk(rs_direct_t *d, const char *send, char *recv, si
     for (int r = 0; r < size; r++) {
         if (r == me)
             continue;
-        slice_of(count, size, r, &lo, &n);
+        rs_even_part(count, size, r, &lo, &n);
         memcpy(recv + lo * red->elem, d->areas[r]->posts[seq & 1].data + lo * red->elem,
                n * red->elem);
     }

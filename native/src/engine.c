@@ -46,25 +46,6 @@ struct rs_engine {
     rs_direct_t *direct; /* the same-host lane for blocking allreduces, or NULL */
 };
 
-/* ---- names for messages ---- */
-
-const char *rs_dtype_name(int dtype) {
-    static const char *names[] = {"uint8", "int8", "int32", "int64", "float16",
-                                  "bfloat16", "float32", "float64", "bool"};
-    return dtype >= 0 && dtype <= RS_BOOL ? names[dtype] : "unknown";
-}
-
-const char *rs_kind_name(int kind) {
-    static const char *names[] = {"allreduce", "allgather", "broadcast", "reducescatter",
-                                  "alltoall", "barrier", "join"};
-    return kind >= 0 && kind <= RS_KIND_JOIN ? names[kind] : "unknown";
-}
-
-const char *rs_op_name(int op) {
-    static const char *names[] = {"Sum", "Average", "Min", "Max", "Product"};
-    return rs_op_valid(op) ? names[op] : "unknown";
-}
-
 void rs_free(void *p) { free(p); }
 
 /* ---- handles ---- */

@@ -8,6 +8,7 @@
 
 #include "checked.h"
 #include "internal.h"
+#include "util.h"
 
 typedef struct rs_direct rs_direct_t; /* same-host lane and staged allreduce (direct.c) */
 
@@ -33,18 +34,6 @@ typedef struct rs_work {
     struct rs_work *next; /* submission queue */
 } rs_work_t;
 
-/* ---- a small string -> pointer map (open addressing) ---- */
-typedef struct {
-    char **keys;
-    void **values;
-    size_t capacity;
-    size_t count;
-} rs_map_t;
-
-void *rs_map_get(const rs_map_t *m, const char *key);
-int rs_map_put(rs_map_t *m, const char *key, void *value); /* key is copied; 0 on success */
-void rs_map_remove(rs_map_t *m, const char *key);
-void rs_map_free(rs_map_t *m);
 
 /* ---- negotiation (engine thread only) ---- */
 
@@ -149,10 +138,5 @@ rs_status_t rs_direct_staged_allreduce(rs_direct_t *d, const void *sendbuf, void
  * `seconds` for the next post. */
 void rs_direct_serve_joined(rs_direct_t *d, double seconds);
 
-int rs_dtype_movable(int dtype);
-const char *rs_dtype_name(int dtype);
-const char *rs_kind_name(int kind);
-const char *rs_op_name(int op);
-char *rs_strdup_printf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
 #endif

@@ -182,9 +182,11 @@ static rs_status_t run_reducescatter(rs_executor_t *x, rs_pending_t *p) {
     int64_t *counts = malloc((size_t)comm->size * sizeof *counts);
     if (!counts)
         return rs_fail(comm, RS_ERR_NOMEM, "out of memory");
-    int64_t rows = m->shape[0], size = comm->size;
-    for (int r = 0; r < comm->size; r++)
-        counts[r] = (rows / size + (r < rows % size)) * row_elements(m);
+    for (int r = 0; r < comm->size; r++) {
+        size_t offset, rows;
+        rs_even_part((size_t)m->shape[0], comm->size, r, &offset, &rows);
+        counts[r] = (int64_t)rows * row_elements(m);
+    }
     double start = rs_now();
     rs_status_t st = rs_reducescatter(comm, p->mine->sendbuf, p->mine->recvbuf, counts, m->dtype,
                                       m->op, m->prescale, m->postscale);

@@ -44,6 +44,11 @@ typedef struct rs_transport {
     void (*close)(rs_comm_t *comm);
     /* Whether the peer announced that it gave up (alive, but aborted after a failure). */
     int (*peer_aborted)(rs_comm_t *comm, int peer);
+    /* From any thread, reading nothing from the stream: RS_PEER_UP, _LOST or _ABORTED. */
+    int (*peer_state)(rs_comm_t *comm, int peer);
+    /* Area `area` (< RS_DIRECT_AREAS) of `rank`'s shared segment, or NULL unless every
+     * peer shares this host's memory with us (the same-host lane needs all of them). */
+    void *(*shared_area)(rs_comm_t *comm, int rank, int area);
 } rs_transport_t;
 
 extern const rs_transport_t rs_tcp_transport;
@@ -56,18 +61,14 @@ struct rs_shm;
  * also means every peer must be on this host. */
 rs_status_t rs_shm_setup(rs_comm_t *comm, int required);
 
-/* The same-host fast lane (direct.c) keeps RS_DIRECT_AREAS areas of this many bytes at the
- * end of every rank's shared segment; rs_shm_direct_area finds one (valid only where
- * rs_shm_all_local: every peer on this host). */
+/* The same-host fast lane (direct.c) keeps RS_DIRECT_AREAS areas of this many bytes in
+ * every rank's shared segment; a transport's shared_area finds one. */
 #define RS_DIRECT_MAX_BYTES ((size_t)256 << 10) /* a one-round post, a staged chunk */
 #define RS_MAX_NAME_LEN 4000 /* longest tensor name (bytes, without the NUL) */
 #define RS_DIRECT_AREA_BYTES (2 * (RS_DIRECT_MAX_BYTES + RS_MAX_NAME_LEN + 1024) + 128)
 #define RS_DIRECT_AREAS 2 /* the lane's (calling threads), the engine thread's */
-int rs_shm_all_local(const rs_comm_t *comm);
-void *rs_shm_direct_area(rs_comm_t *comm, int rank, int area);
-/* From any thread, reading nothing from the stream: whether a peer's TCP connection is up. */
+/* What a transport's peer_state says about a peer. */
 enum { RS_PEER_UP = 0, RS_PEER_LOST = 1, RS_PEER_ABORTED = 2 };
-int rs_tcp_peer_state(rs_comm_t *comm, int peer);
 /* Average's division and the caller's postscale, after a reduction (algorithms.c). */
 rs_status_t rs_finish_scale(rs_comm_t *comm, void *buf, size_t count, rs_dtype_t dtype,
                             rs_op_t op, double postscale);
@@ -127,6 +128,7 @@ rs_status_t rs_progress(rs_comm_t *comm, rs_xfer_t *xfers, int n);
 typedef void (*rs_reduce_fn)(void *inout, const void *in, size_t count);
 rs_reduce_fn rs_reduce_kernel(rs_dtype_t dtype, rs_op_t op);
 int rs_dtype_valid(int dtype);
+int rs_dtype_movable(int dtype); /* valid, or bool (moved, never reduced) */
 int rs_dtype_is_integer(rs_dtype_t dtype);
 int rs_op_valid(int op);
 

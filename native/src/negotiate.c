@@ -10,99 +10,6 @@
 
 #include "engine.h"
 
-/* ---- string map ---- */
-
-static uint64_t hash_string(const char *s) { return rs_fnv1a(s, strlen(s)); }
-
-static size_t slot_of(const rs_map_t *m, const char *key) {
-    size_t i = hash_string(key) & (m->capacity - 1);
-    while (m->keys[i] && strcmp(m->keys[i], key) != 0)
-        i = (i + 1) & (m->capacity - 1);
-    return i;
-}
-
-void *rs_map_get(const rs_map_t *m, const char *key) {
-    if (!m->capacity)
-        return NULL;
-    size_t i = slot_of(m, key);
-    return m->keys[i] ? m->values[i] : NULL;
-}
-
-static int map_grow(rs_map_t *m) {
-    rs_map_t bigger = {0};
-    bigger.capacity = m->capacity ? m->capacity * 2 : 64;
-    bigger.keys = calloc(bigger.capacity, sizeof *bigger.keys);
-    bigger.values = calloc(bigger.capacity, sizeof *bigger.values);
-    if (!bigger.keys || !bigger.values) {
-        free(bigger.keys);
-        free(bigger.values);
-        return -1;
-    }
-    for (size_t i = 0; i < m->capacity; i++) {
-        if (!m->keys[i])
-            continue;
-        size_t j = slot_of(&bigger, m->keys[i]);
-        bigger.keys[j] = m->keys[i];
-        bigger.values[j] = m->values[i];
-        bigger.count++;
-    }
-    free(m->keys);
-    free(m->values);
-    *m = bigger;
-    return 0;
-}
-
-int rs_map_put(rs_map_t *m, const char *key, void *value) {
-    if ((m->count + 1) * 2 > m->capacity && map_grow(m) != 0)
-        return -1;
-    size_t i = slot_of(m, key);
-    if (!m->keys[i]) {
-        if (!(m->keys[i] = strdup(key)))
-            return -1;
-        m->count++;
-    }
-    m->values[i] = value;
-    return 0;
-}
-
-void rs_map_remove(rs_map_t *m, const char *key) {
-    if (!m->capacity)
-        return;
-    size_t i = slot_of(m, key);
-    if (!m->keys[i])
-        return;
-    free(m->keys[i]);
-    m->keys[i] = NULL;
-    m->count--;
-    /* Re-insert the rest of the cluster so that lookups do not stop at the hole. */
-    for (size_t j = (i + 1) & (m->capacity - 1); m->keys[j]; j = (j + 1) & (m->capacity - 1)) {
-        char *k = m->keys[j];
-        void *v = m->values[j];
-        m->keys[j] = NULL;
-        size_t to = slot_of(m, k);
-        m->keys[to] = k;
-        m->values[to] = v;
-    }
-}
-
-void rs_map_free(rs_map_t *m) {
-    for (size_t i = 0; i < m->capacity; i++)
-        free(m->keys[i]);
-    free(m->keys);
-    free(m->values);
-    memset(m, 0, sizeof *m);
-}
-
-char *rs_strdup_printf(const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    char *out = NULL;
-    if (vasprintf(&out, fmt, ap) < 0)
-        out = NULL;
-    va_end(ap);
-    return out;
-}
-
 /* ---- negotiator state ---- */
 
 rs_status_t rs_negotiator_init(rs_negotiator_t *n, int rank, int size, int capacity) {
@@ -572,15 +479,7 @@ char *rs_check_agreement(const rs_pending_t *p, int size) {
 /* ---- stalls ---- */
 
 void rs_pending_ranks(const rs_pending_t *p, int size, int want, char *out, size_t cap) {
-    size_t at = (size_t)snprintf(out, cap, "[");
-    int first = 1;
-    for (int r = 0; r < size && at < cap; r++)
-        if (p->submitted[r] == want) {
-            at += (size_t)snprintf(out + at, cap - at, first ? "%d" : ", %d", r);
-            first = 0;
-        }
-    if (at < cap)
-        snprintf(out + at, cap - at, "]");
+    rs_format_ranks(p->submitted, size, want, out, cap);
 }
 
 double rs_negotiator_stalls(rs_negotiator_t *n, double now, double after, FILE *out) {

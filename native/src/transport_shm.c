@@ -75,6 +75,8 @@ struct rs_shm {
     int fd;           /* my segment, created and not yet unlinked: holds a shared lock */
     char name[NAME_LEN];
     char why[512];    /* why this rank could not set up shared memory */
+    const rs_transport_t *below; /* the transport under this one (TCP): other hosts,
+                                    liveness, doorbells; reached through its table */
 };
 
 static int is_local(const rs_comm_t *comm, int peer) {
@@ -426,21 +428,24 @@ rs_status_t rs_shm_setup(rs_comm_t *comm, int required) {
         return st;
     }
     wire_rings(comm);
+    comm->shm->below = comm->transport;
     comm->transport = &rs_shm_transport;
     return RS_OK;
 }
 
 /* ---- the fast lane's areas ---- */
 
-int rs_shm_all_local(const rs_comm_t *comm) {
+static int all_local(const rs_comm_t *comm) {
     for (int p = 0; p < comm->size; p++)
         if (p != comm->rank && !is_local(comm, p))
             return 0;
     return comm->shm != NULL;
 }
 
-void *rs_shm_direct_area(rs_comm_t *comm, int rank, int area) {
+static void *shm_shared_area(rs_comm_t *comm, int rank, int area) {
     struct rs_shm *shm = comm->shm;
+    if (!all_local(comm) || area < 0 || area >= RS_DIRECT_AREAS || rank < 0 || rank >= comm->size)
+        return NULL;
     ring_t *segment = rank == comm->rank ? shm->mine : shm->theirs[rank];
     return (char *)segment + (size_t)(shm->local_size - 1) * sizeof(ring_t) +
            (size_t)area * RS_DIRECT_AREA_BYTES;
@@ -459,7 +464,7 @@ static void ring_doorbell(rs_comm_t *comm, int peer, int *sleeping) {
         size_t done = 0;
         /* Unchecked on purpose: a full socket already holds a bell, and a broken one is
          * reported by the next poll or transfer on that peer. */
-        rs_tcp_transport.send(comm, peer, &bell, 1, &done);
+        comm->shm->below->send(comm, peer, &bell, 1, &done);
     }
 }
 
@@ -478,7 +483,7 @@ static void copy_ring(char *dst, const char *src, uint64_t pos, size_t n, int in
 static rs_status_t shm_send(rs_comm_t *comm, int peer, const char *buf, size_t len,
                             size_t *done) {
     if (!is_local(comm, peer))
-        return rs_tcp_transport.send(comm, peer, buf, len, done);
+        return comm->shm->below->send(comm, peer, buf, len, done);
     ring_t *r = ring_to(comm, peer);
     uint64_t head = r->header.head; /* only we write it */
     uint64_t tail = __atomic_load_n(&r->header.tail, __ATOMIC_ACQUIRE);
@@ -495,7 +500,7 @@ static rs_status_t shm_send(rs_comm_t *comm, int peer, const char *buf, size_t l
 
 static rs_status_t shm_recv(rs_comm_t *comm, int peer, char *buf, size_t len, size_t *done) {
     if (!is_local(comm, peer))
-        return rs_tcp_transport.recv(comm, peer, buf, len, done);
+        return comm->shm->below->recv(comm, peer, buf, len, done);
     ring_t *r = ring_from(comm, peer);
     uint64_t tail = r->header.tail;
     uint64_t head = __atomic_load_n(&r->header.head, __ATOMIC_ACQUIRE);
@@ -545,7 +550,7 @@ static rs_status_t drain_doorbells(rs_comm_t *comm, int peer) {
     size_t done;
     do {
         done = 0;
-        RS_CHECK(rs_tcp_transport.recv(comm, peer, bells, sizeof bells, &done));
+        RS_CHECK(comm->shm->below->recv(comm, peer, bells, sizeof bells, &done));
     } while (done == sizeof bells);
     return RS_OK;
 }
@@ -572,7 +577,7 @@ static rs_status_t shm_poll(rs_comm_t *comm, rs_wait_t *waits, int n, int timeou
         if (is_local(comm, waits[k].peer))
             socket_waits[k].want_read = 1, socket_waits[k].want_write = 0;
     }
-    rs_status_t st = rs_tcp_transport.poll(comm, socket_waits, n, timeout_ms, lost_peer);
+    rs_status_t st = comm->shm->below->poll(comm, socket_waits, n, timeout_ms, lost_peer);
     for (int k = 0; st == RS_OK && k < n; k++) {
         if (!is_local(comm, waits[k].peer)) {
             waits[k].ready = socket_waits[k].ready;
@@ -588,15 +593,20 @@ static rs_status_t shm_poll(rs_comm_t *comm, rs_wait_t *waits, int n, int timeou
     return RS_OK;
 }
 
-static void shm_abort(rs_comm_t *comm) { rs_tcp_transport.abort(comm); }
+static void shm_abort(rs_comm_t *comm) { comm->shm->below->abort(comm); }
 
 static int shm_peer_aborted(rs_comm_t *comm, int peer) {
-    return rs_tcp_transport.peer_aborted(comm, peer);
+    return comm->shm->below->peer_aborted(comm, peer);
+}
+
+static int shm_peer_state(rs_comm_t *comm, int peer) {
+    return comm->shm->below->peer_state(comm, peer);
 }
 
 static void shm_close(rs_comm_t *comm) {
+    const rs_transport_t *below = comm->shm->below;
     shm_release(comm);
-    rs_tcp_transport.close(comm);
+    below->close(comm);
 }
 
 const rs_transport_t rs_shm_transport = {
@@ -609,4 +619,6 @@ const rs_transport_t rs_shm_transport = {
     .abort = shm_abort,
     .close = shm_close,
     .peer_aborted = shm_peer_aborted,
+    .peer_state = shm_peer_state,
+    .shared_area = shm_shared_area,
 };

@@ -677,7 +677,7 @@ static int has_hung_up(int fd) {
     return poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR));
 }
 
-int rs_tcp_peer_state(rs_comm_t *comm, int peer) {
+static int tcp_peer_state(rs_comm_t *comm, int peer) {
     tcp_state_t *st = state_of(comm);
     if (!st || st->fds[peer] < 0)
         return RS_PEER_LOST;
@@ -837,6 +837,9 @@ static void tcp_close(rs_comm_t *comm) {
     comm->transport_state = NULL;
 }
 
+/* TCP shares no memory between ranks. */
+static void *tcp_shared_area(rs_comm_t *comm, int rank, int area) { return NULL; }
+
 const rs_transport_t rs_tcp_transport = {
     .name = "tcp",
     .listen = tcp_listen,
@@ -847,4 +850,6 @@ const rs_transport_t rs_tcp_transport = {
     .abort = tcp_abort,
     .close = tcp_close,
     .peer_aborted = sent_abort_notice,
+    .peer_state = tcp_peer_state,
+    .shared_area = tcp_shared_area,
 };

@@ -1,0 +1,42 @@
+/* Small utilities at the bottom of the native core: they call nothing of the core, so
+ * every other file may use them without making a loop. A string map, formatting, the
+ * names of dtypes, ops and collective kinds, rank lists, and the even split of a count. */
+#ifndef RINGSYNC_UTIL_H
+#define RINGSYNC_UTIL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* ---- a small string -> pointer map (open addressing) ---- */
+typedef struct {
+    char **keys;
+    void **values;
+    size_t capacity;
+    size_t count;
+} rs_map_t;
+
+void *rs_map_get(const rs_map_t *m, const char *key);
+int rs_map_put(rs_map_t *m, const char *key, void *value); /* key is copied; 0 on success */
+void rs_map_remove(rs_map_t *m, const char *key);
+void rs_map_free(rs_map_t *m);
+
+/* A formatted string on the heap (caller frees), or NULL without memory. */
+char *rs_strdup_printf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+/* FNV-1a, 64 bits: names in hash maps, a check that a peer's bytes arrived as announced
+ * (it detects misparsing, not forgery: connections are authenticated). */
+uint64_t rs_fnv1a(const void *data, size_t len);
+
+/* Names for messages ("unknown" outside the known range). */
+const char *rs_dtype_name(int dtype);
+const char *rs_kind_name(int kind);
+const char *rs_op_name(int op);
+
+/* "[0, 2]": the indices i < n where (flags[i] != 0) == want. */
+void rs_format_ranks(const unsigned char *flags, int n, int want, char *out, size_t cap);
+
+/* Part `part` of `count` split into `parts` nearly equal parts, the first count % parts
+ * one larger: it starts at *offset and has *length elements. */
+void rs_even_part(size_t count, int parts, int part, size_t *offset, size_t *length);
+
+#endif
