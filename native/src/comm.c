@@ -14,6 +14,7 @@ rs_status_t rs_comm_create(int rank, int size, const char *bind_host, double tim
     rs_comm_t *comm = calloc(1, sizeof *comm);
     if (!comm)
         return RS_ERR_NOMEM;
+    pthread_mutex_init(&comm->error_mu, NULL);
     comm->rank = rank;
     comm->size = size;
     comm->timeout_seconds = timeout_seconds;
@@ -22,6 +23,7 @@ rs_status_t rs_comm_create(int rank, int size, const char *bind_host, double tim
     comm->wake_fd = -1;
     comm->host_names = calloc((size_t)size, sizeof *comm->host_names);
     if (!comm->host_names) {
+        pthread_mutex_destroy(&comm->error_mu);
         free(comm);
         return RS_ERR_NOMEM;
     }
@@ -96,5 +98,6 @@ void rs_comm_destroy(rs_comm_t *comm) {
         free(comm->host_names[i]);
     free(comm->host_names);
     free(comm->scratch);
+    pthread_mutex_destroy(&comm->error_mu);
     free(comm);
 }

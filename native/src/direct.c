@@ -187,8 +187,7 @@ static rs_status_t check_peers(rs_direct_t *d, double *abort_seen, char *error, 
             continue;
         int state = comm->transport->peer_state(comm, p);
         if (state == RS_PEER_LOST) {
-            snprintf(error, cap, "rank %d: connection to rank %d (host %s) was lost (peer "
-                     "process gone?)", comm->rank, p, rs_peer_host(comm, p));
+            rs_peer_gone_text(comm, p, 0, error, cap);
             return RS_ERR_COMM;
         }
         if (state == RS_PEER_ABORTED && aborted < 0)
@@ -200,8 +199,7 @@ static rs_status_t check_peers(rs_direct_t *d, double *abort_seen, char *error, 
         *abort_seen = rs_now();
     if (rs_now() - *abort_seen < LOST_PEER_WAIT_SECONDS)
         return RS_OK;
-    snprintf(error, cap, "rank %d: rank %d (host %s) aborted after a failure elsewhere in the "
-             "job", comm->rank, aborted, rs_peer_host(comm, aborted));
+    rs_peer_gone_text(comm, aborted, 1, error, cap);
     return RS_ERR_COMM;
 }
 
@@ -210,9 +208,7 @@ static void report_stall(const rs_direct_t *d, uint64_t seq, const char *name, i
     char have[512], missing[512];
     missing_ranks(d, seq, 1, have, sizeof have);
     missing_ranks(d, seq, 0, missing, sizeof missing);
-    fprintf(stderr, "ringsync: stall: tensor '%s' (%s) was submitted by ranks %s but "
-            "ranks %s have not submitted it after %.1f s\n", name, rs_kind_name(kind), have, missing, waited);
-    fflush(stderr);
+    rs_report_stall(name, kind, have, missing, waited);
 }
 
 static rs_status_t time_out(const rs_direct_t *d, uint64_t seq, const waiting_t *w,
@@ -224,9 +220,7 @@ static rs_status_t time_out(const rs_direct_t *d, uint64_t seq, const waiting_t 
                  "waiting for its peers (RINGSYNC_TIMEOUT_SECONDS=%g)", d->comm->rank, waited,
                  d->comm->timeout_seconds);
     else
-        snprintf(error, cap, "rank %d: tensor '%s' (%s) waited %.1f s for ranks %s to submit it "
-                 "(RINGSYNC_TIMEOUT_SECONDS=%g); giving up", d->comm->rank, w->name,
-                 rs_kind_name(w->kind), waited, missing, d->comm->timeout_seconds);
+        rs_submit_timeout_text(d->comm, w->name, w->kind, waited, missing, error, cap);
     return RS_ERR_TIMEOUT;
 }
 

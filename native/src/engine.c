@@ -295,7 +295,7 @@ static double check_deadlines(rs_engine_t *e) {
     rs_negotiator_t *n = &e->negotiator;
     double now = rs_now(), next = 0;
     if (e->comm->rank == 0 && e->config.stall_check_seconds > 0)
-        next = rs_negotiator_stalls(n, now, e->config.stall_check_seconds, stderr);
+        next = rs_negotiator_stalls(n, now, e->config.stall_check_seconds);
     rs_pending_t *oldest = NULL;
     for (size_t i = 0; i < n->pending.capacity; i++) {
         rs_pending_t *p = n->pending.keys[i] ? n->pending.values[i] : NULL;
@@ -311,10 +311,8 @@ static double check_deadlines(rs_engine_t *e) {
         return next && next < due ? next : due;
     char text[RS_ERROR_LEN], missing[512];
     rs_pending_ranks(oldest, n->size, 0, missing, sizeof missing);
-    snprintf(text, sizeof text, "rank %d: tensor '%s' (%s) waited %.1f s for ranks %s to submit "
-             "it (RINGSYNC_TIMEOUT_SECONDS=%g); giving up", e->comm->rank, oldest->name,
-             rs_kind_name(oldest->mine->meta.kind), now - oldest->mine->submitted_at, missing,
-             e->comm->timeout_seconds);
+    rs_submit_timeout_text(e->comm, oldest->name, oldest->mine->meta.kind,
+                           now - oldest->mine->submitted_at, missing, text, sizeof text);
     rs_fail(e->comm, RS_ERR_TIMEOUT, "%s", text);
     engine_fail(e, RS_ERR_TIMEOUT, text);
     return 0;

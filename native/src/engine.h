@@ -81,9 +81,9 @@ void rs_pending_free(rs_pending_t *p);
 /* "[0, 2]": the ranks that have (want=1) or have not (want=0) submitted p. */
 void rs_pending_ranks(const rs_pending_t *p, int size, int want, char *out, size_t cap);
 /* Tensors waiting longer than `after` seconds, for the stall report: fills a message
- * for each not yet reported (caller prints). Returns the earliest time a report could
+ * for each not yet reported (printed on stderr). Returns the earliest time a report could
  * next be due (or 0 when none is waiting). */
-double rs_negotiator_stalls(rs_negotiator_t *n, double now, double after, FILE *out);
+double rs_negotiator_stalls(rs_negotiator_t *n, double now, double after);
 
 /* ---- timeline (Chrome trace JSON) ---- */
 typedef struct {

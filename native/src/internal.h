@@ -2,6 +2,8 @@
 #ifndef RINGSYNC_INTERNAL_H
 #define RINGSYNC_INTERNAL_H
 
+#include <pthread.h>
+
 #include "ringsync.h"
 
 #define RS_VERSION "0.1.0"
@@ -75,6 +77,13 @@ rs_status_t rs_finish_scale(rs_comm_t *comm, void *buf, size_t count, rs_dtype_t
 
 #define RS_SECRET_MAX 64
 
+/* Who touches what. Set up by the creating thread before an engine exists, then fixed:
+ * rank, size, timeouts, job id and secret, host_names, transport_mode, spin_seconds,
+ * small_allreduce_bytes. The connections (transport_state, shm rings, scratch) belong to
+ * the engine thread, except for what the transport table says any thread may call
+ * (peer_state, shared_area, abort) and the same-host lane's own areas (direct.c), which
+ * the calling threads use one at a time. `broken` is read and written atomically by any
+ * thread; `last_error` is written under error_mu (rs_fail) by any thread. */
 struct rs_comm {
     int rank;
     int size;
@@ -86,7 +95,8 @@ struct rs_comm {
     const rs_transport_t *transport;
     void *transport_state;
     char **host_names; /* per rank, for error messages */
-    int broken;
+    int broken;        /* atomic: set by rs_fail for recoverable errors, never cleared */
+    pthread_mutex_t error_mu; /* one writer of last_error at a time */
     char last_error[RS_ERROR_LEN];
     void *scratch; /* grows on demand; owned by the communicator, not global */
     size_t scratch_bytes;
@@ -105,6 +115,14 @@ const char *rs_peer_host(const rs_comm_t *comm, int peer);
 double rs_now(void);
 /* Fail with a message that tells a lost peer from one that aborted. */
 rs_status_t rs_fail_lost_peer(rs_comm_t *comm, int peer);
+/* The words for how a wait ends, shared by the engine, the negotiation, the transports and
+ * the lane: a peer lost (or aborted after a failure elsewhere); a stall report (printed
+ * on stderr); a tensor that some ranks never submitted within the timeout. */
+void rs_peer_gone_text(const rs_comm_t *comm, int peer, int aborted, char *out, size_t cap);
+void rs_report_stall(const char *name, int kind, const char *have, const char *missing,
+                     double waited);
+void rs_submit_timeout_text(const rs_comm_t *comm, const char *name, int kind, double waited,
+                            const char *missing, char *out, size_t cap);
 rs_status_t rs_scratch(rs_comm_t *comm, size_t bytes, void **out);
 
 /* A transfer to or from one peer, progressed together with others by rs_progress. */

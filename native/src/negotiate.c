@@ -482,7 +482,7 @@ void rs_pending_ranks(const rs_pending_t *p, int size, int want, char *out, size
     rs_format_ranks(p->submitted, size, want, out, cap);
 }
 
-double rs_negotiator_stalls(rs_negotiator_t *n, double now, double after, FILE *out) {
+double rs_negotiator_stalls(rs_negotiator_t *n, double now, double after) {
     double next_due = 0;
     for (size_t i = 0; i < n->pending.capacity; i++) {
         rs_pending_t *p = n->pending.keys[i] ? n->pending.values[i] : NULL;
@@ -496,11 +496,7 @@ double rs_negotiator_stalls(rs_negotiator_t *n, double now, double after, FILE *
                 some++;
             rs_pending_ranks(p, n->size, 1, have, sizeof have);
             rs_pending_ranks(p, n->size, 0, missing, sizeof missing);
-            fprintf(out, "ringsync: stall: tensor '%s' (%s) was submitted by ranks %s but ranks "
-                    "%s have not submitted it after %.1f s\n", p->name,
-                    rs_kind_name(p->metas[some].kind), have, missing,
-                    now - p->first_seen);
-            fflush(out);
+            rs_report_stall(p->name, p->metas[some].kind, have, missing, now - p->first_seen);
             p->stall_reported = 1;
         } else if (next_due == 0 || due < next_due) {
             next_due = due;

@@ -56,11 +56,9 @@ static int build_waits(const rs_xfer_t *xfers, int n, rs_wait_t *waits) {
 }
 
 rs_status_t rs_fail_lost_peer(rs_comm_t *comm, int peer) {
-    if (comm->transport->peer_aborted(comm, peer))
-        return rs_fail(comm, RS_ERR_COMM, "rank %d: rank %d (host %s) aborted after a failure "
-                       "elsewhere in the job", comm->rank, peer, rs_peer_host(comm, peer));
-    return rs_fail(comm, RS_ERR_COMM, "rank %d: connection to rank %d (host %s) was lost "
-                   "(peer process gone?)", comm->rank, peer, rs_peer_host(comm, peer));
+    char text[RS_ERROR_LEN];
+    rs_peer_gone_text(comm, peer, comm->transport->peer_aborted(comm, peer), text, sizeof text);
+    return rs_fail(comm, RS_ERR_COMM, "%s", text);
 }
 
 static rs_status_t fail_no_progress(rs_comm_t *comm, const rs_xfer_t *xfers, int n,

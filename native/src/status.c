@@ -9,6 +9,7 @@
 #include <time.h>
 
 #include "internal.h"
+#include "util.h"
 
 const char *rs_version(void) { return RS_VERSION; }
 
@@ -21,7 +22,9 @@ double rs_now(void) {
 rs_status_t rs_fail(rs_comm_t *comm, rs_status_t status, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
+    pthread_mutex_lock(&comm->error_mu);
     vsnprintf(comm->last_error, sizeof comm->last_error, fmt, ap);
+    pthread_mutex_unlock(&comm->error_mu);
     va_end(ap);
     if (status == RS_ERR_COMM || status == RS_ERR_TIMEOUT)
         __atomic_store_n(&comm->broken, 1, __ATOMIC_RELEASE); /* read by other threads */
@@ -51,4 +54,30 @@ int rs_comm_rank(const rs_comm_t *comm) { return comm->rank; }
 int rs_comm_size(const rs_comm_t *comm) { return comm->size; }
 int rs_comm_is_broken(const rs_comm_t *comm) {
     return __atomic_load_n(&comm->broken, __ATOMIC_ACQUIRE);
+}
+
+/* ---- the words for how a wait ends, written once ---- */
+
+void rs_peer_gone_text(const rs_comm_t *comm, int peer, int aborted, char *out, size_t cap) {
+    if (aborted)
+        snprintf(out, cap, "rank %d: rank %d (host %s) aborted after a failure elsewhere in "
+                 "the job", comm->rank, peer, rs_peer_host(comm, peer));
+    else
+        snprintf(out, cap, "rank %d: connection to rank %d (host %s) was lost (peer process "
+                 "gone?)", comm->rank, peer, rs_peer_host(comm, peer));
+}
+
+void rs_report_stall(const char *name, int kind, const char *have, const char *missing,
+                     double waited) {
+    fprintf(stderr, "ringsync: stall: tensor '%s' (%s) was submitted by ranks %s but ranks %s "
+            "have not submitted it after %.1f s\n", name, rs_kind_name(kind), have, missing,
+            waited);
+    fflush(stderr);
+}
+
+void rs_submit_timeout_text(const rs_comm_t *comm, const char *name, int kind, double waited,
+                            const char *missing, char *out, size_t cap) {
+    snprintf(out, cap, "rank %d: tensor '%s' (%s) waited %.1f s for ranks %s to submit it "
+             "(RINGSYNC_TIMEOUT_SECONDS=%g); giving up", comm->rank, name, rs_kind_name(kind),
+             waited, missing, comm->timeout_seconds);
 }

@@ -716,8 +716,9 @@ static rs_status_t peer_error(rs_comm_t *comm, int peer, const char *what) {
             return rs_fail(comm, RS_ERR_COMM, "rank %d: connection to rank %d (host %s) was "
                            "lost (peer process gone?); rank %d aborted after it", comm->rank,
                            lost, rs_peer_host(comm, lost), peer);
-        return rs_fail(comm, RS_ERR_COMM, "rank %d: rank %d (host %s) aborted after a failure "
-                       "elsewhere in the job", comm->rank, peer, rs_peer_host(comm, peer));
+        char text[RS_ERROR_LEN];
+        rs_peer_gone_text(comm, peer, 1, text, sizeof text);
+        return rs_fail(comm, RS_ERR_COMM, "%s", text);
     }
     return rs_fail(comm, RS_ERR_COMM, "rank %d: connection to rank %d (host %s) %s",
                    comm->rank, peer, rs_peer_host(comm, peer), what);
