@@ -20,6 +20,7 @@ from ._native import ffi, lib
 from .config import Config
 from .errors import CommunicationError, CommunicationTimeout, UsageError
 from .ops import ReduceOp
+from .rendezvous import Rendezvous, as_rendezvous
 
 assert [int(o) for o in ReduceOp] == [lib.RS_OP_SUM, lib.RS_OP_AVERAGE, lib.RS_OP_MIN,
                                       lib.RS_OP_MAX, lib.RS_OP_PRODUCT], "ReduceOp != ringsync.h"
@@ -139,26 +140,23 @@ class PreparedAllreduce:
 
 
 class Communicator:
-    """A ring of ranks built over an mpi4py intracommunicator, with its engine.
+    """A ring of ranks, with its engine, built over a rendezvous: an mpi4py
+    intracommunicator (MPI.COMM_WORLD by default) or any ringsync.rendezvous.Rendezvous
+    (ranks that are threads of one process, for tests).
 
     Holds its own native context; several can exist in one process.
     """
 
-    def __init__(self, mpi_comm=None, config: Optional[Config] = None, own_comm: bool = False):
-        """own_comm: mpi_comm is ours alone (elastic recovery hands over the communicator
-        it just built): use it as it is instead of a duplicate, so that revoking it also
-        interrupts this constructor's own MPI calls."""
-        from mpi4py import MPI
-
-        mpi_comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
-        if not isinstance(mpi_comm, MPI.Intracomm):
-            raise UsageError(f"ringsync.init: comm must be an mpi4py intracommunicator, "
-                             f"got {type(mpi_comm).__name__}")
+    def __init__(self, mpi_comm=None, config: Optional[Config] = None, own_comm: bool = False,
+                 rendezvous: Optional[Rendezvous] = None):
+        """mpi_comm: an mpi4py intracommunicator (or a Rendezvous in its place).
+        own_comm: mpi_comm is ours alone (elastic recovery hands over the communicator it
+        just built): use it as it is instead of a duplicate, so that revoking it also
+        interrupts this constructor's own MPI calls. rendezvous: build over this instead
+        of MPI; the Communicator closes it when it shuts down."""
         self.config = config or Config.from_env()
-        # Our bootstrap traffic never mixes with the user's.
-        self._mpi = mpi_comm if own_comm else mpi_comm.Dup()
-        self._owns_dup = not own_comm
-        self._rank, self._size = self._mpi.Get_rank(), self._mpi.Get_size()
+        self._rendezvous = as_rendezvous(mpi_comm, own_comm, rendezvous)
+        self._rank, self._size = self._rendezvous.rank, self._rendezvous.size
         self._c = ffi.NULL
         self._engine = ffi.NULL
         self._lane = False
@@ -173,16 +171,16 @@ class Communicator:
             self._start_engine()
         except BaseException:
             self._destroy_native()
-            self._free_mpi()
+            self._rendezvous.close()
             raise
 
     # ---- setup and teardown ----
 
     def _connect(self):
         # Errors travel through the allgather instead of being raised here: a rank that
-        # raised before it would leave its peers waiting in MPI forever.
+        # raised before it would leave its peers waiting in the rendezvous forever.
         me, local_error = self._open_listener()
-        peers = self._mpi.allgather((me, local_error, self.config.agreed()))
+        peers = self._rendezvous.allgather((me, local_error, self.config.agreed()))
         self._raise_if_any_failed([err for _, err, _ in peers], "setting up the listening socket")
         self._raise_if_settings_differ([settings for _, _, settings in peers])
         infos = [info for info, _, _ in peers]
@@ -231,14 +229,14 @@ class Communicator:
 
     def _connect_ring(self, infos):
         addresses = bootstrap.connect_addresses(infos)
-        keys = self._mpi.bcast(bootstrap.JobKeys.new() if self._rank == 0 else None, root=0)
+        keys = self._rendezvous.bcast(bootstrap.JobKeys.new() if self._rank == 0 else None, root=0)
         keep = [ffi.new("char[]", s.encode()) for s in addresses + self.host_names]
         hosts, names = keep[: self._size], keep[self._size:]
         status = lib.rs_comm_connect(self._c, ffi.new("const char *[]", hosts),
                                      ffi.new("int[]", [p.port for p in infos]),
                                      ffi.new("const char *[]", names), keys.job_id,
                                      keys.secret, len(keys.secret))
-        errors = self._mpi.allgather(self._error_text(status, "connecting the ring"))
+        errors = self._rendezvous.allgather(self._error_text(status, "connecting the ring"))
         self._raise_if_any_failed(errors, "connecting the ring")
 
     def _start_engine(self):
@@ -301,13 +299,6 @@ class Communicator:
             lib.rs_comm_destroy(self._c)
             self._c = ffi.NULL
 
-    def _free_mpi(self):
-        if self._owns_dup:
-            try:
-                self._mpi.Free()
-            except Exception:  # a communicator with failed ranks: nothing left to free
-                pass
-
     def shutdown(self):
         """Stop the engine and close the ring. Waits (bounded by the timeout) until every
         healthy rank gets here, so that no rank's exit looks like a failure to a peer."""
@@ -315,12 +306,12 @@ class Communicator:
             return
         lib.rs_engine_shutdown(self._engine)  # a failure here changes nothing: we close
         self._destroy_native()
-        self._free_mpi()
+        self._rendezvous.close()
 
     def abort(self, reason: str = "aborted"):
         """Fail every pending collective here and on every peer, and close the ring at
-        once (no shutdown handshake). The MPI communicator is kept: elastic recovery
-        revokes and shrinks it (see mpi_comm)."""
+        once (no shutdown handshake). The rendezvous is kept open: elastic recovery
+        revokes and shrinks its MPI communicator (see mpi_comm)."""
         if self._c == ffi.NULL:
             return
         lib.rs_engine_abort(self._engine, reason.encode())
@@ -333,8 +324,14 @@ class Communicator:
 
     @property
     def mpi_comm(self):
-        """The MPI communicator this ring was bootstrapped over (ringsync's own copy)."""
-        return self._mpi
+        """The MPI communicator this ring was bootstrapped over (ringsync's own copy), or
+        None for a rendezvous without MPI."""
+        return self._rendezvous.mpi_comm
+
+    @property
+    def rendezvous(self) -> Rendezvous:
+        """Where this ring's ranks met (and, for elastic recovery, agree on survivors)."""
+        return self._rendezvous
 
     @property
     def closed(self) -> bool:

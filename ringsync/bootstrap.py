@@ -1,5 +1,5 @@
-"""Bootstrap through MPI: choose where to listen, exchange addresses, learn the topology,
-and (elastic jobs) agree on the surviving ranks after a failure.
+"""Bootstrap: choose where to listen, learn the topology, and, through MPI, exchange
+addresses (MpiRendezvous) and (elastic jobs) agree on the surviving ranks after a failure.
 
 MPI only carries a few bytes per rank here; the native core's own sockets carry the data.
 """
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
 from .errors import UsageError
+from .rendezvous import FaultTolerance, Rendezvous
 
 _SIOCGIFADDR = 0x8915  # Linux ioctl: the IPv4 address of a named interface
 
@@ -126,6 +127,60 @@ def topology(host_names: Sequence[str], rank: int) -> Topology:
         cross_rank=same_local.index(rank),
         cross_size=len(same_local),
     )
+
+
+# --------------------------------------------------------------------------- the MPI rendezvous
+
+
+class MpiRendezvous(Rendezvous, FaultTolerance):
+    """The ranks of an mpi4py intracommunicator meet over MPI (what ringsync.init() uses)."""
+
+    def __init__(self, comm, owned: bool):
+        """owned: comm is a duplicate made for us, freed by close()."""
+        self._comm, self._owned = comm, owned
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+
+    @classmethod
+    def over(cls, comm=None, own_comm: bool = False) -> "MpiRendezvous":
+        """A rendezvous over comm (MPI.COMM_WORLD by default). Our bootstrap traffic never
+        mixes with the user's: it runs on a duplicate, unless own_comm says that comm is
+        ours alone (elastic recovery hands over the communicator it just built, so that
+        revoking that one also interrupts our exchanges)."""
+        from mpi4py import MPI
+        comm = MPI.COMM_WORLD if comm is None else comm
+        if not isinstance(comm, MPI.Intracomm):
+            raise UsageError(f"ringsync.init: comm must be an mpi4py intracommunicator, "
+                             f"got {type(comm).__name__}")
+        return cls(comm, owned=False) if own_comm else cls(comm.Dup(), owned=True)
+
+    def allgather(self, obj):
+        return self._comm.allgather(obj)
+
+    def bcast(self, obj, root: int = 0):
+        return self._comm.bcast(obj, root=root)
+
+    def close(self) -> None:
+        if self._owned:
+            self._owned = False
+            try:
+                self._comm.Free()
+            except Exception:  # a communicator with failed ranks: nothing left to free
+                pass
+
+    @property
+    def mpi_comm(self):
+        return self._comm
+
+    def shrink(self):
+        survivors, lost = shrink(self._comm)
+        return MpiRendezvous(survivors, owned=False), lost
+
+    def spawn(self, count: int):
+        return MpiRendezvous(spawn_replacements(self._comm, count), owned=False)
+
+    def allreduce_min(self, value: int) -> int:
+        from mpi4py import MPI
+        return self._comm.allreduce(value, op=MPI.MIN)
 
 
 # --------------------------------------------------------------------------- fault tolerance

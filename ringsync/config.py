@@ -1,71 +1,164 @@
-"""Settings, read once from RINGSYNC_* environment variables into a Config object."""
+"""Settings, read once from RINGSYNC_* environment variables into a Config object.
+
+Each setting is described once, in the metadata of its Config field (a Setting): its
+environment variable, help text, bounds, and whether ranks must agree on it. Parsing
+(Config.from_env), ``ringsync doctor`` and ``ringsync run --verbose``, the launcher's
+exports and the README's settings table all read that one description, so they cannot
+drift apart. The README table is settings_table()'s output, checked by
+tests/unit/test_settings.py.
+"""
+import math
 import os
-from dataclasses import asdict, dataclass, fields, replace
-from typing import Mapping, Optional
+from dataclasses import Field, asdict, dataclass, field, fields, replace
+from typing import List, Mapping, Optional, Tuple
 
 from .errors import UsageError
+
+ENV_PREFIX = "RINGSYNC_"
+# Largest values the native core can take: beyond them cffi fails at init() with an
+# OverflowError instead of a message naming the variable.
+INT32_MAX = 2**31 - 1  # rs_engine_config_t.cache_capacity is a C int
+INT64_MAX = 2**63 - 1  # byte counts are int64_t (size_t for small_allreduce_bytes)
+SPIN_MAX_US = 1e6  # Communicator caps every spin at one second
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What a user needs to know about one setting (the metadata of its Config field)."""
+
+    env: str  # the environment variable: RINGSYNC_<FIELD NAME>
+    help: str  # what it does: the README table's "meaning" (Markdown, one line)
+    unit: str = ""  # numbers: what they count; text: what the text is
+    default_text: str = ""  # where the default is a stand-in (None, -1): what it means
+    minimum: float = 0  # numbers: the smallest value accepted from the environment
+    positive: bool = False  # numbers: 0 itself is refused (minimum is exclusive)
+    maximum: Optional[float] = None  # numbers: the largest value accepted
+    zero: str = ""  # numbers: what 0 means, where it is special ("off", "no limit")
+    choices: Tuple[str, ...] = ()  # text: the values that work (checked by init())
+    agreed: bool = False  # every rank must have the same value (init() compares them)
+
+
+def _setting(default, env: str, help: str, **info):
+    """A Config field carrying its Setting."""
+    return field(default=default, metadata={"setting": Setting(env, help, **info)})
+
+
+_DEAD_PEER_NOTE = (
+    "By default there is none (as in Horovod): a stall is reported after "
+    "`RINGSYNC_STALL_CHECK_SECONDS`, and a dead peer is noticed through its socket anyway, "
+    "so a long rank-0-only evaluation or checkpoint does not tear the ring down")
 
 
 @dataclass(frozen=True)
 class Config:
-    # RINGSYNC_TIMEOUT_SECONDS: longest wait without progress (or for other ranks to
-    # submit a tensor) before every pending request fails; 0: no hard limit (the default,
-    # as in Horovod: stalls are reported, and a dead peer is noticed through its socket)
-    timeout_seconds: float = 0.0
-    # RINGSYNC_START_TIMEOUT_SECONDS: longest time init() may take to connect the ring
-    start_timeout_seconds: float = 120.0
-    # RINGSYNC_IFACE: interface name or IP address to listen on and advertise
-    iface: Optional[str] = None
-    # RINGSYNC_FUSION_THRESHOLD: bytes of allreduces fused into one ring pass (0: off)
-    fusion_threshold: int = 64 << 20
-    # RINGSYNC_CYCLE_TIME_MS: longest wait for more asynchronous tensors to fuse
-    cycle_time_ms: float = 1.0
-    # RINGSYNC_STALL_CHECK_SECONDS: report tensors some ranks have not submitted (0: off)
-    stall_check_seconds: float = 60.0
-    # RINGSYNC_CACHE_CAPACITY: negotiations remembered so repeats cost one bit
-    cache_capacity: int = 4096
-    # RINGSYNC_TIMELINE: write a Chrome-trace timeline to this file
-    timeline: Optional[str] = None
-    # RINGSYNC_TRANSPORT: auto (shared memory with same-host peers, TCP with others),
-    # tcp, or shm (every peer must be on this host)
-    transport: str = "auto"
-    # RINGSYNC_SPIN_US: how long a wait on a same-host peer spins before it blocks; -1:
-    # 20 us where the host has two cores per local rank (its thread and the engine's), else 0
-    spin_us: float = -1.0
-    # RINGSYNC_LANE_BYTES: blocking allreduces up to this size (at most 4 MiB) take the
-    # same-host lane when every rank is on one host: no engine thread, one exchange through
-    # shared memory (0: always the engine)
-    lane_bytes: int = 1 << 30
-    # RINGSYNC_STAGED_BYTES: with every rank on one host, the engine reduces allreduces of at
-    # least this size through the shared segments (each rank reduces a slice of every
-    # rank's data) instead of the ring (0: always the ring)
-    staged_bytes: int = 1 << 20
-    # RINGSYNC_LANE_SPIN_US: how long a wait on the same-host lane or in a staged allreduce
-    # spins for its peers before it sleeps; -1: 50 us where the host has a core per local
-    # rank, else 0
-    lane_spin_us: float = -1.0
-    # RINGSYNC_SMALL_ALLREDUCE_BYTES: allreduces up to this size exchange whole buffers in
-    # one round instead of running the ring (0: always the ring)
-    small_allreduce_bytes: int = 16 << 10
-    # RINGSYNC_HOST_NAME: the host name this rank reports; ranks reporting the same name
-    # count as one host (local_rank, shared memory). Default: the machine's host name
-    host_name: Optional[str] = None
-    # RINGSYNC_ELASTIC_MIN_NP: fewest ranks an elastic job goes on with after a failure
-    elastic_min_np: int = 1
-    # RINGSYNC_ELASTIC_MAX_NP: most ranks an elastic job may have (0: no limit)
-    elastic_max_np: int = 0
-    # RINGSYNC_ELASTIC_RESPAWN: 1 = start replacement ranks to restore the original size
-    elastic_respawn: int = 0
-    # RINGSYNC_ELASTIC_RESET_LIMIT: most recoveries before an elastic job gives up (0: none)
-    elastic_reset_limit: int = 0
+    timeout_seconds: float = _setting(
+        0.0, "RINGSYNC_TIMEOUT_SECONDS", unit="seconds", zero="no limit",
+        help="a hard limit, opt-in: longest wait without progress, or for other ranks to "
+             "submit a tensor, before `CommunicationTimeout`. " + _DEAD_PEER_NOTE)
+    start_timeout_seconds: float = _setting(
+        120.0, "RINGSYNC_START_TIMEOUT_SECONDS", unit="seconds", positive=True,
+        help="longest time `init()` may take to connect the ring")
+    iface: Optional[str] = _setting(
+        None, "RINGSYNC_IFACE", unit="interface or IP address",
+        default_text="(the routable address)",
+        help="interface name (`eth0`) or IP address to listen on and advertise")
+    fusion_threshold: int = _setting(
+        64 << 20, "RINGSYNC_FUSION_THRESHOLD", unit="bytes", maximum=INT64_MAX,
+        zero="no fusion", agreed=True,
+        help="bytes of allreduces (same dtype, op and scale factors) fused into one ring "
+             "pass. Larger tensors run alone")
+    cycle_time_ms: float = _setting(
+        1.0, "RINGSYNC_CYCLE_TIME_MS", unit="ms", zero="no wait",
+        help="longest wait for more asynchronous tensors to fuse with; the wait ends early "
+             "when submissions pause (100 µs) or a caller waits, so a lone synchronous "
+             "call never pays it")
+    stall_check_seconds: float = _setting(
+        60.0, "RINGSYNC_STALL_CHECK_SECONDS", unit="seconds", zero="never",
+        help="report tensors that some ranks have not submitted (rank 0, on stderr)")
+    cache_capacity: int = _setting(
+        4096, "RINGSYNC_CACHE_CAPACITY", unit="tensors", maximum=INT32_MAX,
+        zero="no cache", agreed=True,
+        help="tensors whose negotiation is remembered: a repeat costs one bit instead of "
+             "its metadata")
+    timeline: Optional[str] = _setting(
+        None, "RINGSYNC_TIMELINE", unit="file path", default_text="(off)",
+        help="write a Chrome-trace timeline to this file from `init()` on")
+    transport: str = _setting(
+        "auto", "RINGSYNC_TRANSPORT", choices=("auto", "tcp", "shm"), agreed=True,
+        help="`auto`: shared memory with same-host peers (TCP, with a warning, where "
+             "`/dev/shm` has no room), TCP with the others; `tcp`: TCP only; `shm`: shared "
+             "memory only (every rank on one host with room in `/dev/shm`, else `init()` "
+             "fails naming the rank). Read case-insensitively")
+    # -1 (auto) cannot come from the environment: unset the variable for it.
+    spin_us: float = _setting(
+        -1.0, "RINGSYNC_SPIN_US", unit="µs", maximum=SPIN_MAX_US, default_text="(auto)",
+        help="how long a wait on a same-host peer spins before it blocks. Auto: 20 where "
+             "the host has two cores per local rank, else 0 (on 2 cores with 2 ranks "
+             "spinning made nothing faster)")
+    # No upper bound: the lane posts whole buffers only up to RS_DIRECT_MAX_BYTES (256 KiB,
+    # native/src/internal.h) and stages larger allreduces through shared memory in chunks,
+    # so any size works; the default sends every blocking allreduce there.
+    lane_bytes: int = _setting(
+        1 << 30, "RINGSYNC_LANE_BYTES", unit="bytes", maximum=INT64_MAX, zero="no lane",
+        agreed=True,
+        help="every rank on one host: blocking allreduces up to this size run on the "
+             "[lane](#ranks-on-one-host), on the calling thread: up to "
+             "`RINGSYNC_SMALL_ALLREDUCE_BYTES` (at most 256 KiB) each rank posts its whole "
+             "buffer in one round, larger ones are staged through shared memory in 256 KiB "
+             "chunks. Larger allreduces, and every other collective, go to the engine")
+    staged_bytes: int = _setting(
+        1 << 20, "RINGSYNC_STAGED_BYTES", unit="bytes", maximum=INT64_MAX,
+        zero="always the ring", agreed=True,
+        help="every rank on one host: the engine reduces allreduces of at least this size "
+             "through shared memory (each rank reduces a slice of every rank's data) "
+             "instead of the ring")
+    lane_spin_us: float = _setting(
+        -1.0, "RINGSYNC_LANE_SPIN_US", unit="µs", maximum=SPIN_MAX_US, default_text="(auto)",
+        help="how long a wait on the lane, or in a staged allreduce, spins before it "
+             "sleeps. Auto: 50 where the host has a core per local rank, else 0")
+    small_allreduce_bytes: int = _setting(
+        16 << 10, "RINGSYNC_SMALL_ALLREDUCE_BYTES", unit="bytes", maximum=INT64_MAX,
+        zero="always the ring", agreed=True,
+        help="engine allreduces (the ones not on the lane or staged) up to this size send "
+             "every rank's whole buffer to every peer in one round, instead of the ring's "
+             "2(N−1) steps; on the lane, allreduces up to this size (at most 256 KiB) are "
+             "posted whole instead of staged. Measured on one host over the shm transport: "
+             "no difference up to 64 KiB (the engine's overhead dominates), 1.5–1.8× slower "
+             "than the ring from 256 KiB")
+    host_name: Optional[str] = _setting(
+        None, "RINGSYNC_HOST_NAME", unit="name", default_text="(the host name)",
+        help="the host this rank reports: ranks reporting the same name count as one host "
+             "(`local_rank()`, shared memory)")
+    elastic_min_np: int = _setting(
+        1, "RINGSYNC_ELASTIC_MIN_NP", unit="ranks", minimum=1, agreed=True,
+        help="elastic: end the job when fewer ranks survive (`ringsync run --min-np`)")
+    elastic_max_np: int = _setting(
+        0, "RINGSYNC_ELASTIC_MAX_NP", unit="ranks", zero="no limit",
+        agreed=True, help="elastic: most ranks; caps `--respawn` (`--max-np`)")
+    elastic_respawn: int = _setting(
+        0, "RINGSYNC_ELASTIC_RESPAWN", maximum=1, agreed=True,
+        help="elastic: 1 starts replacement ranks after a loss, back to the original size, or "
+             "to `RINGSYNC_ELASTIC_MAX_NP` where that is smaller (`--respawn`)")
+    elastic_reset_limit: int = _setting(
+        0, "RINGSYNC_ELASTIC_RESET_LIMIT", unit="recoveries", zero="no limit", agreed=True,
+        help="elastic: most recoveries before the job ends (`--reset-limit`)")
+    # Read by ringsync.bootstrap.fault_tolerant(), before any Config exists; described here
+    # so that doctor, the launcher and the README know it.
+    mpi_ft: Optional[str] = _setting(
+        None, "RINGSYNC_MPI_FT", unit="`1`, `true` or `yes` (any case)",
+        default_text="(unset)",
+        help="elastic: asserts that MPI keeps the survivors running when a rank dies "
+             "(another MPI with ULFM; Open MPI says so itself under `--with-ft ulfm`)")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ, **overrides) -> "Config":
+        """Settings from RINGSYNC_* variables (unset or empty: the default); overrides,
+        when not None, win and are not checked."""
         values = {}
-        for f in fields(cls):
-            text = environ.get("RINGSYNC_" + f.name.upper())
+        for f, setting in setting_fields():
+            text = environ.get(setting.env)
             if text:
-                values[f.name] = _parse(f.name, text, f.default)
+                values[f.name] = parse_value(f, text)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return replace(cls(), **values)
 
@@ -79,25 +172,119 @@ class Config:
         return values
 
 
+def setting_fields() -> List[Tuple[Field, Setting]]:
+    """Every Config field with its Setting, in Config's order: the one list that parsing,
+    doctor, the launcher and the README table walk."""
+    return [(f, f.metadata["setting"]) for f in fields(Config)]
+
+
+def env_of(name: str) -> str:
+    """The environment variable of Config field ``name``."""
+    return Config.__dataclass_fields__[name].metadata["setting"].env
+
+
 # Settings that change the wire protocol, an algorithm's choice or the recovery protocol:
 # ranks that disagree would reduce different fusions together, misparse negotiation, pick
 # different algorithms (a hang) or recover differently. The others (timeouts, stall
 # reports, spin times, timeline, interface, host name) are safely per rank.
-AGREED_SETTINGS = ("fusion_threshold", "cache_capacity", "transport", "lane_bytes",
-                   "staged_bytes", "small_allreduce_bytes", "elastic_min_np",
-                   "elastic_max_np", "elastic_respawn", "elastic_reset_limit")
+AGREED_SETTINGS = tuple(f.name for f, setting in setting_fields() if setting.agreed)
 
 
-def _parse(field: str, text: str, default):
-    name = "RINGSYNC_" + field.upper()
-    if default is None or isinstance(default, str):
-        return text
-    kind = int if isinstance(default, int) else float
+def is_number(f: Field) -> bool:
+    return isinstance(f.default, (int, float))
+
+
+def parse_value(f: Field, text: str):
+    """The value of ``text`` for field ``f``, within its Setting's bounds."""
+    setting = f.metadata["setting"]
+    if not is_number(f):
+        return text  # choices are checked by init(), where every rank hears of a bad one
+    kind = int if isinstance(f.default, int) else float
     try:
         value = kind(text)
     except ValueError:
-        raise UsageError(f"{name}={text!r} is not {'a whole number' if kind is int else 'a number'}") from None
-    positive = field == "start_timeout_seconds"
-    if value != value or value < 0 or (value == 0 and positive):  # (value != value: NaN)
-        raise UsageError(f"{name}={text!r} must be {'positive' if positive else 'zero or more'}")
+        what = "a whole number" if kind is int else "a number"
+        raise UsageError(f"{setting.env}={text!r} is not {what}") from None
+    if not within_bounds(setting, value):
+        raise UsageError(f"{setting.env}={text!r} must be {bounds_in_words(setting)}")
     return value
+
+
+def within_bounds(setting: Setting, value) -> bool:
+    if math.isnan(value) or value < setting.minimum or (setting.positive and value == 0):
+        return False
+    return setting.maximum is None or value <= setting.maximum
+
+
+def bounds_in_words(setting: Setting) -> str:
+    """The accepted range, for error messages: 'positive', 'zero or more', ..."""
+    if setting.positive:
+        low = "positive"
+    elif setting.minimum == 0:
+        low = "zero or more"
+    else:
+        low = f"{number_text(setting.minimum)} or more"
+    if setting.maximum is None:
+        return low
+    return f"{low} and at most {number_text(setting.maximum)}"
+
+
+# --------------------------------------------------------------------------- README table
+
+TABLE_HEADER = ("| variable | default | values | ranks agree | meaning |\n"
+                "|---|---|---|---|---|")
+
+
+def settings_table() -> str:
+    """The README's settings table (Markdown), one row per setting."""
+    rows = [TABLE_HEADER]
+    for f, setting in setting_fields():
+        cells = (f"`{setting.env}`", default_in_words(f), values_in_words(f),
+                 "yes" if setting.agreed else "", setting.help)
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def default_in_words(f: Field) -> str:
+    """How the README shows a default: what a stand-in means, else the value (with its
+    size in KiB/MiB/GiB for byte counts)."""
+    setting = f.metadata["setting"]
+    if setting.default_text:
+        return setting.default_text
+    text = number_text(f.default) if is_number(f) else str(f.default)
+    if setting.unit == "bytes" and f.default >= 1024:
+        text += f" ({_size(f.default)})"
+    return text
+
+
+def values_in_words(f: Field) -> str:
+    """The values a setting takes, for the README: choices, or unit and bounds."""
+    setting = f.metadata["setting"]
+    if setting.choices:
+        return ", ".join(f"`{choice}`" for choice in setting.choices)
+    if not is_number(f):
+        return setting.unit
+    low, high = number_text(setting.minimum), setting.maximum
+    if high is None:
+        span = "> 0" if setting.positive else f"≥ {low}"
+    else:
+        joiner = "or" if high - setting.minimum == 1 else "to"
+        span = f"{low} {joiner} {number_text(high)}"
+    text = f"{setting.unit}, {span}" if setting.unit else span
+    return text + (f"; 0: {setting.zero}" if setting.zero else "")
+
+
+def number_text(value) -> str:
+    """1.0 → '1', 2**63 - 1 → '2^63−1': short, exact numbers for people."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, int) and value > 1 << 20 and (value + 1) & value == 0:
+        return f"2^{(value + 1).bit_length() - 1}−1"
+    return str(value)
+
+
+def _size(nbytes: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):g} {unit}"
+    return f"{nbytes} bytes"

@@ -4,7 +4,8 @@
     builds the command line of the installed ``mpirun`` and runs it, returning mpirun's
     exit status.
 ``ringsync doctor``
-    reports the ringsync, native core, MPI and framework versions this machine has.
+    reports the ringsync, native core, MPI and framework versions this machine has, and
+    every ringsync setting: its value and where it comes from.
 
 Signals. mpirun runs in a session of its own, so the terminal's signals reach only the
 launcher, which passes them on; and on Linux mpirun cannot outlive the launcher:
@@ -41,7 +42,10 @@ import signal
 import subprocess
 import sys
 
-ENV_PREFIX = "RINGSYNC_"
+from ringsync.config import (ENV_PREFIX, default_in_words, env_of, number_text, parse_value,
+                             setting_fields)
+from ringsync.errors import UsageError
+
 OPEN_MPI = "openmpi"
 MPICH = "mpich"
 UNKNOWN = "unknown"
@@ -215,12 +219,22 @@ def policy_flags(flavor: str, oversubscribe: bool) -> list[str]:
 
 
 def exported_variables(environ: dict[str, str] | None = None) -> list[str]:
-    """Variables ranks on other hosts must see: every RINGSYNC_* setting, plus PATH and
-    PYTHONPATH when set (so remote ranks find the same python and packages)."""
+    """Variables ranks on other hosts must see: the ringsync settings set here (Config's
+    list), then any other RINGSYNC_* variable (the program's own, or a misspelt setting,
+    which doctor and --verbose point out), plus PATH and PYTHONPATH when set (so remote
+    ranks find the same python and packages)."""
     environ = os.environ if environ is None else environ
-    names = sorted(name for name in environ if name.startswith(ENV_PREFIX))
+    known = [setting.env for _, setting in setting_fields()]
+    names = [name for name in known if name in environ]
+    names += unknown_ringsync_variables(environ)
     names += [name for name in ("PATH", "PYTHONPATH") if name in environ]
     return names
+
+
+def unknown_ringsync_variables(environ) -> list[str]:
+    """RINGSYNC_* variables set that are no setting of Config's, sorted."""
+    known = {setting.env for _, setting in setting_fields()}
+    return sorted(name for name in environ if name.startswith(ENV_PREFIX) and name not in known)
 
 
 def export_flags(flavor: str, names: list[str]) -> list[str]:
@@ -280,14 +294,17 @@ def build_mpirun_command(
     command = [mpirun, "-np", str(options.np)]
     command += policy_flags(flavor, oversubscribe=options.np > slots)
     command += host_flags(flavor, options.hosts, options.hostfile)
-    command += export_flags(flavor, exported_variables(environ))
+    elastic = elastic_settings(options) if options.elastic else {}
+    # An option's value replaces the variable of the same name rather than racing it.
+    exported = [name for name in exported_variables(environ) if name not in elastic]
+    command += export_flags(flavor, exported)
     if options.elastic:
         if flavor != OPEN_MPI:
             raise LauncherError("--elastic needs Open MPI with ULFM (mpirun --with-ft ulfm)")
         # Without ULFM, mpirun ends the whole job when one rank dies; with it, survivors
         # get an error they can recover from.
         command += ["--with-ft", "ulfm"]
-        for name, value in elastic_settings(options).items():
+        for name, value in elastic.items():
             command += ["-x", f"{name}={value}"]
     return command + program_command(options.program)
 
@@ -295,16 +312,10 @@ def build_mpirun_command(
 def elastic_settings(options: RunOptions) -> dict[str, str]:
     """The RINGSYNC_ELASTIC_* variables (read by ringsync.elastic in every rank) for the
     elastic options given."""
-    settings = {}
-    if options.min_np is not None:
-        settings["RINGSYNC_ELASTIC_MIN_NP"] = str(options.min_np)
-    if options.max_np is not None:
-        settings["RINGSYNC_ELASTIC_MAX_NP"] = str(options.max_np)
-    if options.respawn:
-        settings["RINGSYNC_ELASTIC_RESPAWN"] = "1"
-    if options.reset_limit is not None:
-        settings["RINGSYNC_ELASTIC_RESET_LIMIT"] = str(options.reset_limit)
-    return settings
+    values = {"elastic_min_np": options.min_np, "elastic_max_np": options.max_np,
+              "elastic_respawn": 1 if options.respawn else None,
+              "elastic_reset_limit": options.reset_limit}
+    return {env_of(name): str(value) for name, value in values.items() if value is not None}
 
 
 def check_elastic_options(options: RunOptions) -> str | None:
@@ -418,18 +429,43 @@ def guarded(describe):
         return "error: %s: %s" % (type(exc).__name__, exc)
 
 
-def ringsync_settings(environ: dict[str, str] | None = None) -> list[str]:
-    """``NAME=value`` for every RINGSYNC_* variable set, sorted."""
+def settings_report(environ: dict[str, str] | None = None) -> list[str]:
+    """One line per ringsync setting (Config's list): the value ranks started from here
+    will use and where it comes from, so a bad value shows up before any rank starts;
+    then any other RINGSYNC_* variable set, where a misspelt setting shows up."""
     environ = os.environ if environ is None else environ
-    return ["%s=%s" % (k, environ[k]) for k in sorted(environ) if k.startswith(ENV_PREFIX)]
+    lines = [describe_setting(f, setting, environ.get(setting.env))
+             for f, setting in setting_fields()]
+    lines += ["%-40s %s" % ("%s=%s" % (name, environ[name]),
+                            "environment: not a ringsync setting (exported as is)")
+              for name in unknown_ringsync_variables(environ)]
+    return lines
 
 
-def effective_settings() -> str:
-    """The settings ranks will run with (RINGSYNC_* read into ringsync's Config); a bad
-    value shows up here, before any rank starts."""
-    from ringsync.config import Config
+def describe_setting(f: dataclasses.Field, setting, text: str | None) -> str:
+    """``NAME=value   source`` for one setting; ``text`` is its variable's value, if set."""
+    if not text:  # unset or empty: Config.from_env takes the default
+        plain = "" if f.default is None else number_text(f.default)
+        shown = "%s=%s" % (setting.env, plain) if plain else setting.env
+        meaning = default_in_words(f)  # e.g. "(auto)" for -1: say what it stands for
+        if plain and meaning.startswith(plain):
+            source = "default" + meaning[len(plain):] + zero_note(setting, f.default)
+        else:
+            source = "default: " + meaning
+        return "%-40s %s" % (shown, source + (" (set but empty)" if text == "" else ""))
+    source = "environment"
+    try:
+        source += zero_note(setting, parse_value(f, text))
+        if setting.choices and text.lower() not in setting.choices:
+            source += "; error: not one of %s (init() fails)" % ", ".join(setting.choices)
+    except UsageError as exc:
+        source += "; error: %s" % exc
+    return "%-40s %s" % ("%s=%s" % (setting.env, text), source)
 
-    return " ".join("%s=%s" % item for item in Config.from_env().as_dict().items())
+
+def zero_note(setting, value) -> str:
+    """' (0: off)' where 0 is special for this setting and the value is 0."""
+    return " (0: %s)" % setting.zero if setting.zero and value == 0 else ""
 
 
 def describe_run(options: RunOptions, command: list[str]) -> str:
@@ -438,10 +474,10 @@ def describe_run(options: RunOptions, command: list[str]) -> str:
     lines = [
         "ringsync run: %d ranks, %d slots (%s)%s"
         % (options.np, slots, source, ", oversubscribed" if options.np > slots else ""),
-        "ringsync settings: " + (" ".join(ringsync_settings()) or "(no RINGSYNC_* set)"),
-        "effective config: " + guarded(effective_settings),
-        "command: " + shlex.join(command),
+        "ringsync settings (value, where from):",
     ]
+    lines += ["  " + line for line in settings_report()]
+    lines += ["command: " + shlex.join(command)]
     return "\n".join(lines)
 
 
@@ -553,11 +589,9 @@ def doctor() -> int:
     rows += [(name, functools.partial(framework_version, name)) for name in FRAMEWORKS]
     for label, describe in rows:
         print("%-22s %s" % (label + ":", guarded(describe)), flush=True)
-    print("%-22s %s" % ("effective config:", guarded(effective_settings)))
-    settings = ringsync_settings()
-    print("%-22s %s" % ("RINGSYNC settings:", "" if settings else "(none set)"))
-    for setting in settings:
-        print("  " + setting)
+    print("ringsync settings (value, where from):")
+    for line in settings_report():
+        print("  " + line)
     return 0
 
 

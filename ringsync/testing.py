@@ -1,11 +1,18 @@
 """Run a function or script on several MPI ranks and collect every rank's outcome.
 
-Made for pytest (ringsync's own multi-rank tests use it) and offered to users for CI::
+Made for pytest (ringsync's own multi-rank tests use it) and offered to users for CI.
+Most tests want the pytest marker (ringsync.pytest_plugin), which runs the test function
+itself on the ranks::
 
-    from ringsync.testing import assert_mpi_ok
-
+    @pytest.mark.ranks(4)
     def test_allreduce():
-        assert_mpi_ok("tests.mpi.bodies:allreduce_all", np=4, timeout=60)
+        ...  # runs on each of 4 ranks
+
+Tests that must watch the job from outside (a rank killed on purpose, files or processes
+left behind) call run_mpi with a function, or with its "module:function" name::
+
+    result = run_mpi(body_that_kills_rank_1, np=4, timeout=60)
+    assert not result.timed_out, result.report()
 
 Each rank runs ``python -m ringsync.testing <resultdir> <target> [args...]`` under
 mpirun. A rank that finishes writes ``rank<r>.ok``; a rank that raises prints its
@@ -44,6 +51,8 @@ STACK_DUMP_GRACE_S = 1.5  # time for dumped stacks to travel through mpirun to u
 TERMINATE_GRACE_S = 5.0  # time mpirun gets to tear the ranks down after SIGTERM
 RESULT_FILE = re.compile(r"^rank(-?\d+)\.(ok|err)$")
 PID_DIR = "pids"
+# Set in every rank this module starts, so code (and ringsync's pytest plugin) can tell.
+RANK_ENV = "RINGSYNC_TESTING_RANK"
 
 
 # =========================================================================== caller side
@@ -106,7 +115,7 @@ class MPIResult:
 
 
 def run_mpi(
-    target: str,
+    target,
     np: int = 2,
     timeout: float = 120,
     args=(),
@@ -118,8 +127,9 @@ def run_mpi(
 ) -> MPIResult:
     """Run ``target`` on ``np`` ranks and return an MPIResult.
 
-    target: ``"package.module:function"`` (called with ``*args``, as strings) or the path
-        of a script (run as ``__main__`` with ``args`` in sys.argv).
+    target: a module-level function, or its name ``"package.module:function"`` (each rank
+        imports it and calls it with ``*args``, as strings), or the path of a script (run
+        as ``__main__`` with ``args`` in sys.argv).
     timeout: seconds for the whole job; past it ranks dump their stacks and are killed.
     env: variables to set for the ranks (a None value removes one).
     mpirun_args: extra mpirun options, placed before the program.
@@ -128,6 +138,7 @@ def run_mpi(
     wrapper: a command that the mpirun command line is appended to and that runs in its
         place (e.g. ``unshare -m ...``).
     """
+    target = target_name(target)
     for _ in range(LAUNCH_ATTEMPTS):
         result = _run_job(target, np, timeout, args, env, mpirun_args, wrapper)
         if not _launcher_failed(result):
@@ -135,6 +146,18 @@ def run_mpi(
     if check:
         check_result(result, expect_failure)
     return result
+
+
+def target_name(target) -> str:
+    """A function becomes "module:qualname", the name each rank imports it by."""
+    if isinstance(target, str):
+        return target
+    module = getattr(target, "__module__", None)
+    qualname = getattr(target, "__qualname__", "")
+    if not module or module == "__main__" or not qualname or "<locals>" in qualname:
+        raise ValueError("ranks import the target by name: %r must be defined at the top "
+                         "level of an importable module" % (target,))
+    return "%s:%s" % (module, qualname)
 
 
 # Open MPI's launcher itself sometimes fails to start (seen: "The PMIx server's listener
@@ -185,12 +208,12 @@ def _run_job(target, np, timeout, args, env, mpirun_args, wrapper=()) -> "MPIRes
     return result
 
 
-def assert_mpi_ok(target: str, np: int = 2, **kwargs) -> MPIResult:
+def assert_mpi_ok(target, np: int = 2, **kwargs) -> MPIResult:
     """run_mpi that raises AssertionError (showing every rank) unless every rank succeeded."""
     return run_mpi(target, np=np, check=True, **kwargs)
 
 
-def assert_mpi_fails(target: str, np: int = 2, **kwargs) -> MPIResult:
+def assert_mpi_fails(target, np: int = 2, **kwargs) -> MPIResult:
     """run_mpi that raises AssertionError unless the job failed promptly (not by the deadline)."""
     return run_mpi(target, np=np, check=True, expect_failure=True, **kwargs)
 
@@ -452,6 +475,7 @@ def fail_hard(resultdir: str, rank: int, text: str) -> None:
 
 def worker_main(argv: list[str]) -> None:
     resultdir, target, args = argv[0], argv[1], argv[2:]
+    os.environ[RANK_ENV] = "1"
     record_pid(resultdir)
     faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True)
     rank = -1

@@ -1,22 +1,16 @@
-"""Shared pytest setup: the ``requires_mpirun`` marker skips multi-rank tests where no
-mpirun is installed, instead of failing them."""
+"""Shared pytest setup.
 
-import functools
-import shutil
+ringsync's pytest plugin gives ``@pytest.mark.ranks(n)`` (a test function that runs on n
+ranks; it is skipped where no mpirun is installed). Its entry point registers it when
+ringsync is installed; naming it here also covers PYTEST_DISABLE_PLUGIN_AUTOLOAD=1.
+
+The ``requires_mpirun`` marker skips other tests that start mpirun themselves (through
+ringsync.testing.run_mpi or the launcher) where none is installed, instead of failing them.
+"""
 
 import pytest
 
-
-@functools.lru_cache(maxsize=None)
-def mpirun_path():
-    try:
-        from ringsync.launcher import LauncherError, find_mpirun
-    except Exception:  # a broken package must not break collection of every test
-        return shutil.which("mpirun")
-    try:
-        return find_mpirun()
-    except LauncherError:
-        return None
+pytest_plugins = ["ringsync.pytest_plugin"]
 
 
 def pytest_configure(config):
@@ -26,5 +20,7 @@ def pytest_configure(config):
 
 
 def pytest_runtest_setup(item):
+    from ringsync.pytest_plugin import mpirun_path
+
     if item.get_closest_marker("requires_mpirun") and mpirun_path() is None:
         pytest.skip("no mpirun installed")

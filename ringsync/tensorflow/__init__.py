@@ -18,6 +18,7 @@ from ringsync import (Average, Max, Min, Product, ReduceOp, Sum, barrier, cross_
                       shutdown, size, start_timeline, stop_timeline)
 from ringsync.errors import (CommunicationError, HorovodInternalError, RingsyncError,
                              UsageError)
+from ringsync._adapters import CastCompressor, NoneCompressor, check_differentiable, grad_name
 from ringsync.objects import allgather_object, broadcast_object
 
 _trace_names = itertools.count()  # names fixed when a graph is traced (see _name)
@@ -49,12 +50,6 @@ def _run(fn, tensors, out_dtypes, what):
     return tf.py_function(call, list(tensors), out_dtypes, name=f"ringsync_{what}")
 
 
-def _check_differentiable(op, what):
-    if ReduceOp(op) not in (ReduceOp.SUM, ReduceOp.AVERAGE):
-        raise UsageError(f"ringsync.tensorflow.{what}: the gradient of a "
-                         f"{ReduceOp(op).name.title()} reduction is not defined")
-
-
 def _collective(method, urgent, *args):
     """Run one of the Communicator's _async methods to completion. urgent: the call was
     made eagerly, in program order, so it is a blocking call like the numpy API's (on one
@@ -63,10 +58,6 @@ def _collective(method, urgent, *args):
     matches them by name."""
     comm = _rs._comm()
     return comm.synchronize(getattr(comm, method)(*args, _urgent=urgent))
-
-
-def _grad_name(name):
-    return None if name is None else f"{name}.grad"
 
 
 def allreduce(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None):
@@ -84,8 +75,8 @@ def allreduce(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, nam
     @tf.custom_gradient
     def fn(t):
         def grad(dy):
-            _check_differentiable(op, "allreduce")
-            return reduce(tf.convert_to_tensor(dy), _grad_name(name))
+            check_differentiable(op, "tensorflow.allreduce")
+            return reduce(tf.convert_to_tensor(dy), grad_name(name))
         return reduce(t, name), grad
 
     return fn(x)
@@ -123,7 +114,7 @@ def allgather(tensor, name=None):
             # other frameworks (or without gradients) run the same collectives forward.
             rows = tf.shape(t, out_type=tf.int64)[0] if t.shape.rank else tf.constant(1, tf.int64)
             counts = gather(tf.reshape(rows, [1]), None if name is None else f"{name}.grad.rows")
-            summed = allreduce(tf.convert_to_tensor(dy), Sum, name=_grad_name(name))
+            summed = allreduce(tf.convert_to_tensor(dy), Sum, name=grad_name(name))
             start = tf.reduce_sum(counts[:rank()])
             return tf.reshape(summed[start:start + rows], tf.shape(t))
 
@@ -144,7 +135,7 @@ def broadcast(tensor, root_rank, name=None):
         y.set_shape(t.shape)
 
         def grad(dy):
-            summed = allreduce(tf.convert_to_tensor(dy), Sum, name=_grad_name(name))
+            summed = allreduce(tf.convert_to_tensor(dy), Sum, name=grad_name(name))
             return summed if rank() == root_rank else tf.zeros_like(summed)
 
         return y, grad
@@ -186,28 +177,22 @@ def broadcast_variables(variables, root_rank=0):
         v.assign(broadcast(v, root_rank, name=f"broadcast.var.{i}.{v.name}"))
 
 
+class _TensorFlowCast(CastCompressor):
+    is_floating = staticmethod(lambda t: t.dtype.is_floating)
+    cast = staticmethod(tf.cast)
+
+
 class Compression:
-    """Gradient compression on the wire: none, fp16 (floating gradients travel as float16)."""
+    """Gradient compression on the wire: none, fp16 and bf16 (floating gradients travel as
+    float16 / bfloat16 and come back in their own dtype)."""
 
-    class none:
-        @staticmethod
-        def compress(t):
-            return t, None
+    none = NoneCompressor
 
-        @staticmethod
-        def decompress(t, ctx):
-            return t
+    class fp16(_TensorFlowCast):
+        wire_dtype = tf.float16
 
-    class fp16:
-        @staticmethod
-        def compress(t):
-            if t.dtype.is_floating and t.dtype != tf.float16:
-                return tf.cast(t, tf.float16), t.dtype
-            return t, None
-
-        @staticmethod
-        def decompress(t, ctx):
-            return t if ctx is None else tf.cast(t, ctx)
+    class bf16(_TensorFlowCast):
+        wire_dtype = tf.bfloat16
 
 
 def _reduce_gradients(grads, compression, op, predivide, sparse_as_dense, name):

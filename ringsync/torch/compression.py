@@ -1,44 +1,19 @@
 """Gradient compression for the wire: Compression.none, .fp16 and .bf16 (Horovod's names)."""
 import torch
 
-
-class Compressor:
-    """compress(tensor) -> (tensor to reduce, context); decompress(tensor, context)."""
-
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
+from .._adapters import CastCompressor, Compressor, NoneCompressor  # noqa: F401 (public names)
 
 
-class NoneCompressor(Compressor):
-    pass
+class _TorchCast(CastCompressor):
+    is_floating = staticmethod(lambda t: t.dtype.is_floating_point)
+    cast = staticmethod(lambda t, dtype: t.to(dtype))
 
 
-class _CastCompressor(Compressor):
-    """Floating-point tensors travel as `wire_dtype` and come back in their own dtype."""
-
-    wire_dtype = None
-
-    @classmethod
-    def compress(cls, tensor):
-        if tensor.dtype.is_floating_point and tensor.dtype != cls.wire_dtype:
-            return tensor.to(cls.wire_dtype), tensor.dtype
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor if ctx is None else tensor.to(ctx)
-
-
-class FP16Compressor(_CastCompressor):
+class FP16Compressor(_TorchCast):
     wire_dtype = torch.float16
 
 
-class BF16Compressor(_CastCompressor):
+class BF16Compressor(_TorchCast):
     wire_dtype = torch.bfloat16
 
 

@@ -5,14 +5,13 @@ The synchronous calls (and the differentiable ones' forward and backward passes,
 wait too) are blocking calls in the core's sense (_urgent): with every rank on one host
 they take the same-host lane, exactly as the numpy API's and eager TensorFlow's do, so
 that ranks of different frameworks meet there."""
-from typing import Optional
 
 import numpy as np
 import torch
 
 import ringsync as _rs
 from ringsync import Average, Handle, Max, Min, Product, ReduceOp, Sum
-from ringsync.errors import UsageError
+from ringsync._adapters import check_differentiable, grad_name
 
 from ._tensors import host_view, result_like, shares_memory
 
@@ -137,16 +136,6 @@ def synchronize(handle: Handle):
 
 # ---- differentiable collectives ----
 
-def _check_differentiable(op, what):
-    if ReduceOp(op) not in (ReduceOp.SUM, ReduceOp.AVERAGE):
-        raise UsageError(f"ringsync.torch.{what}: the gradient of a {ReduceOp(op).name.title()} "
-                         "reduction is not defined; use Sum or Average when gradients flow")
-
-
-def _grad_name(name: Optional[str]) -> Optional[str]:
-    return None if name is None else f"{name}.grad"
-
-
 class _Allreduce(torch.autograd.Function):
     """d/dx_r of prescale*postscale*reduce(x) is the same reduction of the incoming grads."""
 
@@ -158,8 +147,8 @@ class _Allreduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         op, prescale, postscale, name = ctx.args
-        _check_differentiable(op, "allreduce")
-        return (synchronize(allreduce_async(grad, op, prescale, postscale, _grad_name(name))),
+        check_differentiable(op, "torch.allreduce")
+        return (synchronize(allreduce_async(grad, op, prescale, postscale, grad_name(name))),
                 None, None, None, None)
 
 
@@ -179,7 +168,7 @@ class _Allgather(torch.autograd.Function):
         rows = _comm().allgather(np.array([ctx.rows]),
                                  None if ctx.name is None else f"{ctx.name}.grad.rows")
         start = int(rows[: _rs.rank()].sum())
-        summed = synchronize(allreduce_async(grad, Sum, name=_grad_name(ctx.name)))
+        summed = synchronize(allreduce_async(grad, Sum, name=grad_name(ctx.name)))
         return summed[start: start + ctx.rows].reshape(ctx.shape), None
 
 
@@ -193,7 +182,7 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        summed = synchronize(allreduce_async(grad, Sum, name=_grad_name(ctx.name)))
+        summed = synchronize(allreduce_async(grad, Sum, name=grad_name(ctx.name)))
         return (summed if _rs.rank() == ctx.root else torch.zeros_like(summed)), None, None
 
 

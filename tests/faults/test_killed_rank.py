@@ -1,11 +1,19 @@
 """A rank SIGKILLed in the middle of allreduces: under ULFM (which keeps the survivors
 running) every survivor raises CommunicationError naming the lost rank, long before the
-timeout, and nothing of the job is left running."""
-import os
-import subprocess
+timeout, and nothing of the job is left running. A rank that is merely slow times out.
 
+These tests watch the job from outside (which ranks survived, what is left running), so
+they start it with run_mpi and look at the result; the rank code is the function they
+pass it."""
+import os
+import signal
+import subprocess
+import time
+
+import numpy as np
 import pytest
 
+import ringsync as rs
 from ringsync.testing import run_mpi
 
 pytestmark = pytest.mark.requires_mpirun
@@ -16,22 +24,60 @@ def shared_memory_segments():
         if os.path.isdir("/dev/shm") else set()
 
 
+def processes_matching(marker):
+    return subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
+
+
+def killed_peer_fails_the_others(marker, folder, victim):
+    """Rank `victim` is SIGKILLed while every rank loops on allreduce; each survivor must
+    raise CommunicationError naming the lost rank (not time out) and leave a file
+    survivor-<rank> holding the message. `marker` only tags the ranks' command lines."""
+    victim = int(victim)
+    rs.init()
+    data = np.ones(1 << 18, dtype=np.float32)
+    for step in range(100_000):
+        if rs.rank() == victim and step == 20:
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            rs.allreduce_(data, op=rs.Average)
+        except rs.CommunicationTimeout:
+            raise
+        except rs.CommunicationError as e:
+            assert f"connection to rank {victim} (host" in str(e), str(e)
+            with open(os.path.join(folder, f"survivor-{rs.rank()}"), "w") as f:
+                f.write(str(e))
+            break
+    else:
+        raise AssertionError("the victim never died")
+    # The broken communicator refuses further work with the same kind of error.
+    try:
+        rs.allreduce_(data)
+    except rs.CommunicationError:
+        pass
+    else:
+        raise AssertionError("a broken communicator accepted another collective")
+    rs.shutdown()
+    os._exit(0)  # skip MPI_Finalize, which would wait for the dead rank
+
+
+# Far beyond the tests' deadlines: only failure detection can pass them.
+NO_TIMEOUT = {"RINGSYNC_TIMEOUT_SECONDS": "600"}
+
+
 @pytest.mark.parametrize("victim", [0, 2])
 def test_survivors_name_the_killed_rank(victim, tmp_path):
     segments_before = shared_memory_segments()
     marker = f"ringsync-kill-test-{os.getpid()}-{victim}"
-    result = run_mpi("tests.mpi.bodies:killed_peer_fails_the_others", np=4, timeout=90,
-                     args=(marker,), mpirun_args=("--with-ft", "ulfm"),
-                     env={"RINGSYNC_TEST_DIR": str(tmp_path), "RINGSYNC_TEST_VICTIM": str(victim),
-                          # Far beyond the test's deadline: only failure detection can pass.
-                          "RINGSYNC_TIMEOUT_SECONDS": "600"})
+    result = run_mpi(killed_peer_fails_the_others, np=4, timeout=90,
+                     args=(marker, tmp_path, victim), mpirun_args=("--with-ft", "ulfm"),
+                     env=NO_TIMEOUT)
     assert not result.timed_out, result.report()
     survivors = sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("survivor-*"))
     assert survivors == [r for r in range(4) if r != victim], result.report()
     for path in tmp_path.glob("survivor-*"):
         message = path.read_text()
         assert f"connection to rank {victim} (host" in message, message
-    leftover = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
+    leftover = processes_matching(marker)
     assert not leftover.strip(), f"processes left running: {leftover}"
     # Segments are unlinked once mapped: a killed rank leaves none behind.
     assert shared_memory_segments() <= segments_before
@@ -40,16 +86,30 @@ def test_survivors_name_the_killed_rank(victim, tmp_path):
 def test_plain_mpirun_ends_the_job_when_a_rank_is_killed(tmp_path):
     """Without ULFM, mpirun itself ends the job: a failure, promptly, and no leftovers."""
     marker = f"ringsync-kill-plain-{os.getpid()}"
-    result = run_mpi("tests.mpi.bodies:killed_peer_fails_the_others", np=3, timeout=90,
-                     args=(marker,),
-                     env={"RINGSYNC_TEST_DIR": str(tmp_path), "RINGSYNC_TEST_VICTIM": "1",
-                          "RINGSYNC_TIMEOUT_SECONDS": "600"})
+    result = run_mpi(killed_peer_fails_the_others, np=3, timeout=90,
+                     args=(marker, tmp_path, 1), env=NO_TIMEOUT)
     assert not result.timed_out, result.report()
     assert result.returncode != 0, result.report()
-    leftover = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
+    leftover = processes_matching(marker)
     assert not leftover.strip(), f"processes left running: {leftover}"
 
 
+@pytest.mark.ranks(2, timeout=60)
 def test_a_slow_peer_times_out_instead_of_hanging():
-    from ringsync.testing import assert_mpi_ok
-    assert_mpi_ok("tests.mpi.bodies:slow_peer_times_out", np=2, timeout=60)
+    """Rank 1 arrives long after RINGSYNC_TIMEOUT_SECONDS: rank 0 gives up with a timeout
+    naming rank 1, and rank 1 then learns that rank 0 gave up, instead of waiting."""
+    os.environ["RINGSYNC_TIMEOUT_SECONDS"] = "1.5"
+    rs.init()
+    if rs.rank() == 1:
+        time.sleep(5)
+    try:
+        rs.allreduce(np.ones(10))
+    except rs.CommunicationTimeout as e:
+        assert rs.rank() == 0, f"rank {rs.rank()} timed out: {e}"
+        assert "waited" in str(e) and "for ranks [1] to submit it" in str(e), str(e)
+    except rs.CommunicationError as e:
+        assert rs.rank() == 1, f"rank {rs.rank()}: {e}"
+        assert "rank 0 (host" in str(e) and "aborted" in str(e), str(e)
+    else:
+        raise AssertionError(f"rank {rs.rank()}: allreduce finished despite the timeout")
+    rs.shutdown()

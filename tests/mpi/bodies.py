@@ -1,7 +1,11 @@
-"""Test bodies run on every rank under mpirun (through ringsync.testing). Each body checks
-its results against a numpy reference computed from every rank's input."""
-import os
-import signal
+"""Collective checks, run on every rank, each against numpy references built from every
+rank's input.
+
+A check takes a `comm`: anything with the module API's method names — a
+ringsync.Communicator (ranks as threads of one process: tests/unit/test_thread_collectives.py)
+or the ringsync module itself after init() (ranks under mpirun: tests/mpi/test_collectives.py).
+"""
+import functools
 import time
 
 import numpy as np
@@ -16,8 +20,17 @@ def _op(name):
     return getattr(rs, name)
 
 
-def _inputs(shape, dtype, op="Sum", salt=""):
-    return [rank_input(r, shape, dtype, op, salt) for r in range(rs.size())]
+@functools.lru_cache(maxsize=32)
+def _input(rank, shape, dtype, op, salt):
+    """rank_input, computed once per process: thread-ranks share every rank's inputs
+    (read-only, so that no rank can change another's)."""
+    x = rank_input(rank, shape, dtype, op, salt)
+    x.flags.writeable = False
+    return x
+
+
+def _inputs(comm, shape, dtype, op="Sum", salt=""):
+    return [_input(r, tuple(shape), dtype, op, salt) for r in range(comm.size())]
 
 
 def _shape_for(n, dtype):
@@ -25,122 +38,168 @@ def _shape_for(n, dtype):
     return (n // 3, 3) if n % 3 == 0 and n and dtype in ("int32", "float32") else (n,)
 
 
-def allreduce_all():
-    rs.init()
+def _slice_of(rows, size, rank):
+    """reducescatter's rows for `rank`: split evenly, the first ranks one row more."""
+    split = [rows // size + (i < rows % size) for i in range(size)]
+    start = sum(split[:rank])
+    return slice(start, start + split[rank])
+
+
+# ============================================================== checks on a `comm`
+
+
+def allreduce_all(comm):
+    """Every dtype x op x size: out of place, in place, and with scale factors."""
+    me = comm.rank()
     for dtype in REDUCIBLE:
         for op in OPS:
             for n in SIZES:
                 shape = _shape_for(n, dtype)
-                inputs = _inputs(shape, dtype, op)
-                what = f"allreduce {dtype} {op} shape {shape} on {rs.size()} ranks"
-                got = rs.allreduce(inputs[rs.rank()], op=_op(op), name=what)
+                inputs = _inputs(comm, shape, dtype, op)
+                what = f"allreduce {dtype} {op} shape {shape} on {comm.size()} ranks"
+                got = comm.allreduce(inputs[me], op=_op(op), name=what)
                 assert_reduced(got, inputs, op, what=what)
-                mine = inputs[rs.rank()].copy()
-                returned = rs.allreduce_(mine, op=_op(op))
+                mine = inputs[me].copy()
+                returned = comm.allreduce_(mine, op=_op(op))
                 assert returned is mine or np.shares_memory(returned, mine)
                 assert_reduced(mine, inputs, op, what="in-place " + what)
-                scaled = rs.allreduce(inputs[rs.rank()], op=_op(op), prescale_factor=0.5,
-                                      postscale_factor=3.0)
+                scaled = comm.allreduce(inputs[me], op=_op(op), prescale_factor=0.5,
+                                        postscale_factor=3.0)
                 assert_reduced(scaled, inputs, op, 0.5, 3.0, what="scaled " + what)
-    rs.shutdown()
 
 
-def allreduce_large_and_strided():
+def allreduce_large_and_strided(comm):
     """Buffers large enough to be split into many segments and partial socket reads,
     and inputs that are non-contiguous views or plain buffers."""
-    rs.init()
+    me, size = comm.rank(), comm.size()
     for dtype in ["float32", "float64", "int64", "float16"]:
         for n in [1 << 20, (1 << 20) + 7]:
-            inputs = _inputs((n,), dtype, "Sum", "large")
-            got = rs.allreduce(inputs[rs.rank()], op=rs.Sum)
+            inputs = _inputs(comm, (n,), dtype, "Sum", "large")
+            got = comm.allreduce(inputs[me], op=rs.Sum)
             assert_reduced(got, inputs, "Sum", what=f"large allreduce {dtype} n={n}")
-    base = _inputs((40, 6), "float64", "Sum", "strided")
-    got = rs.allreduce(base[rs.rank()][::2, 1::2], op=rs.Average)  # a strided view
+    base = _inputs(comm, (40, 6), "float64", "Sum", "strided")
+    got = comm.allreduce(base[me][::2, 1::2], op=rs.Average)  # a strided view
     assert_reduced(got, [b[::2, 1::2].copy() for b in base], "Average", what="strided input")
-    scalar = rs.allreduce(np.float64(rs.rank()), op=rs.Sum)  # 0-d in, 0-d out
-    assert scalar.shape == () and scalar == sum(range(rs.size())), scalar
-    buf = bytearray(rank_input(rs.rank(), (17,), "uint8").tobytes())
-    rs.allreduce_(buf, op=rs.Max)  # an in-place buffer-protocol object
-    assert_reduced(np.frombuffer(bytes(buf), np.uint8), _inputs((17,), "uint8"), "Max",
+    scalar = comm.allreduce(np.float64(me), op=rs.Sum)  # 0-d in, 0-d out
+    assert scalar.shape == () and scalar == sum(range(size)), scalar
+    buf = bytearray(rank_input(me, (17,), "uint8").tobytes())
+    comm.allreduce_(buf, op=rs.Max)  # an in-place buffer-protocol object
+    assert_reduced(np.frombuffer(bytes(buf), np.uint8), _inputs(comm, (17,), "uint8"), "Max",
                    what="bytearray")
-    rs.shutdown()
 
 
-def allgather_all():
-    rs.init()
+def grouped_and_async_all(comm):
+    """Grouped allreduces (out of place and in place, blocking and not) and the _async
+    form of every collective, several in flight at once, finished out of order."""
+    me, size = comm.rank(), comm.size()
+    for dtype in REDUCIBLE:
+        for op in OPS:
+            group = [_inputs(comm, (n,), dtype, op, f"grp{n}") for n in (0, 1, 7, 1009)]
+            what = f"grouped {dtype} {op} on {size} ranks"
+            for got, inputs in zip(comm.grouped_allreduce([g[me] for g in group], op=_op(op),
+                                                          name=what), group):
+                assert_reduced(got, inputs, op, what=what)
+            mine = [g[me].copy() for g in group]
+            comm.grouped_allreduce_(mine, op=_op(op), prescale_factor=2.0, postscale_factor=0.5)
+            for got, inputs in zip(mine, group):
+                assert_reduced(got, inputs, op, 2.0, 0.5, what="in-place scaled " + what)
+            handle = comm.grouped_allreduce_async([g[me] for g in group], op=_op(op))
+            for got, inputs in zip(comm.synchronize(handle), group):
+                assert_reduced(got, inputs, op, what="async " + what)
+    _async_collectives(comm, me, size)
+
+
+def _async_collectives(comm, me, size):
+    reduced = _inputs(comm, (101, 2), "float32", "Sum", "async-ar")
+    in_place = reduced[me].copy()
+    rows = [_input(r, (r + 1, 3), "int32", "Sum", "async-ag") for r in range(size)]
+    sent = _inputs(comm, (size * 3, 2), "float64", "Sum", "async-a2a")
+    handles = {
+        "allreduce": comm.allreduce_async(reduced[me], op=rs.Sum, name="async.ar"),
+        "allreduce_": comm.allreduce_async_(in_place, op=rs.Sum, name="async.ar_"),
+        "allgather": comm.allgather_async(rows[me], name="async.ag"),
+        "broadcast": comm.broadcast_async(reduced[me], size - 1, name="async.bc"),
+        "reducescatter": comm.reducescatter_async(reduced[me], op=rs.Max, name="async.rs"),
+        "alltoall": comm.alltoall_async(sent[me], name="async.a2a"),
+    }
+    done = {what: comm.synchronize(handles[what]) for what in reversed(list(handles))}
+    assert_reduced(done["allreduce"], reduced, "Sum", what="allreduce_async")
+    assert_reduced(in_place, reduced, "Sum", what="allreduce_async_")
+    assert np.array_equal(done["allgather"], np.concatenate(rows)), "allgather_async"
+    assert np.array_equal(done["broadcast"], reduced[size - 1]), "broadcast_async"
+    assert_reduced(done["reducescatter"], [x[_slice_of(101, size, me)] for x in reduced], "Max",
+                   what="reducescatter_async")
+    expected = np.concatenate([x[3 * me:3 * me + 3] for x in sent])
+    assert np.array_equal(done["alltoall"], expected), "alltoall_async"
+    assert all(comm.poll(h) for h in handles.values())
+
+
+def allgather_all(comm):
+    me, size = comm.rank(), comm.size()
     for dtype in MOVABLE:
         for trailing in [(), (3,), (2, 2)]:
             for base in [0, 1, 2, 5]:
-                rows = [(r * 3 + base) % 5 for r in range(rs.size())]  # differ by rank, some 0
-                inputs = [rank_input(r, (rows[r],) + trailing, dtype, salt="ag")
-                          for r in range(rs.size())]
-                got = rs.allgather(inputs[rs.rank()])
+                rows = [(r * 3 + base) % 5 for r in range(size)]  # differ by rank, some 0
+                inputs = [_input(r, (rows[r],) + trailing, dtype, "Sum", "ag")
+                          for r in range(size)]
+                got = comm.allgather(inputs[me])
                 expected = np.concatenate(inputs, axis=0)
                 assert got.dtype == expected.dtype and got.shape == expected.shape, \
                     (dtype, trailing, rows, got.shape, expected.shape)
                 assert np.array_equal(got.view(np.uint8), expected.view(np.uint8)), \
                     f"allgather {dtype} rows {rows} trailing {trailing}"
-    big = [rank_input(r, (100_000 + r,), "float64", salt="agbig") for r in range(rs.size())]
-    assert np.array_equal(rs.allgather(big[rs.rank()]), np.concatenate(big))
-    scalar = rs.allgather(np.float32(rs.rank() * 1.5))  # 0-d becomes one row per rank
-    assert np.array_equal(scalar, np.arange(rs.size(), dtype=np.float32) * 1.5)
-    rs.shutdown()
+    big = [_input(r, (100_000 + r,), "float64", "Sum", "agbig") for r in range(size)]
+    assert np.array_equal(comm.allgather(big[me]), np.concatenate(big))
+    scalar = comm.allgather(np.float32(me * 1.5))  # 0-d becomes one row per rank
+    assert np.array_equal(scalar, np.arange(size, dtype=np.float32) * 1.5)
 
 
-def broadcast_all():
-    rs.init()
+def broadcast_all(comm):
+    me = comm.rank()
     for dtype in MOVABLE:
         for n in SIZES + [300_001]:
-            for root in range(rs.size()):
-                inputs = _inputs((n,), dtype, salt=f"bc{root}")
-                got = rs.broadcast(inputs[rs.rank()], root_rank=root)
+            for root in range(comm.size()):
+                inputs = _inputs(comm, (n,), dtype, salt=f"bc{root}")
+                got = comm.broadcast(inputs[me], root_rank=root)
                 assert np.array_equal(got.view(np.uint8), inputs[root].view(np.uint8)), \
                     f"broadcast {dtype} n={n} root={root}"
-                mine = inputs[rs.rank()].copy()
-                rs.broadcast_(mine, root)
+                mine = inputs[me].copy()
+                comm.broadcast_(mine, root)
                 assert np.array_equal(mine.view(np.uint8), inputs[root].view(np.uint8)), \
                     f"broadcast_ {dtype} n={n} root={root}"
-    rs.shutdown()
 
 
-def reducescatter_all():
-    rs.init()
-    size = rs.size()
+def reducescatter_all(comm):
+    me, size = comm.rank(), comm.size()
     for dtype in REDUCIBLE:
         for op in OPS:
             for rows in [0, 1, 2, 7, 13, 2 * size + 1]:
                 for trailing in [(), (3,)]:
-                    inputs = _inputs((rows,) + trailing, dtype, op, "rs")
+                    inputs = _inputs(comm, (rows,) + trailing, dtype, op, "rs")
                     what = f"reducescatter {dtype} {op} rows={rows} trailing={trailing}"
-                    got = rs.reducescatter(inputs[rs.rank()], op=_op(op))
-                    split = [rows // size + (i < rows % size) for i in range(size)]
-                    start = sum(split[: rs.rank()])
-                    mine = [x[start:start + split[rs.rank()]] for x in inputs]
+                    got = comm.reducescatter(inputs[me], op=_op(op))
+                    mine = [x[_slice_of(rows, size, me)] for x in inputs]
                     assert_reduced(got, mine, op, what=what)
-    inputs = _inputs((size * 2 + 1, 2), "float64", "Sum", "rs-scaled")
-    got = rs.reducescatter(inputs[rs.rank()], op=rs.Sum, prescale_factor=2.0,
-                           postscale_factor=0.25)
-    split = [(size * 2 + 1) // size + (i < (size * 2 + 1) % size) for i in range(size)]
-    start = sum(split[: rs.rank()])
-    assert_reduced(got, [x[start:start + split[rs.rank()]] for x in inputs], "Sum", 2.0, 0.25,
+    rows = size * 2 + 1
+    inputs = _inputs(comm, (rows, 2), "float64", "Sum", "rs-scaled")
+    got = comm.reducescatter(inputs[me], op=rs.Sum, prescale_factor=2.0, postscale_factor=0.25)
+    assert_reduced(got, [x[_slice_of(rows, size, me)] for x in inputs], "Sum", 2.0, 0.25,
                    what="scaled reducescatter")
-    rs.shutdown()
 
 
 def _splits(sender, size, salt):
     return [(sender * 7 + dest * 3 + salt) % 4 for dest in range(size)]  # zeros included
 
 
-def alltoall_all():
-    rs.init()
-    size, me = rs.size(), rs.rank()
+def alltoall_all(comm):
+    size, me = comm.size(), comm.rank()
     for dtype in MOVABLE:
         for trailing in [(), (2, 3)]:
             for salt in range(3):
                 splits = [_splits(r, size, salt) for r in range(size)]
-                inputs = [rank_input(r, (sum(splits[r]),) + trailing, dtype, salt=f"a2a{salt}")
+                inputs = [_input(r, (sum(splits[r]),) + trailing, dtype, "Sum", f"a2a{salt}")
                           for r in range(size)]
-                got, received = rs.alltoall(inputs[me], splits=splits[me])
+                got, received = comm.alltoall(inputs[me], splits=splits[me])
                 pieces = []
                 for r in range(size):
                     start = sum(splits[r][:me])
@@ -151,56 +210,29 @@ def alltoall_all():
                 assert np.array_equal(got.view(np.uint8), expected.view(np.uint8)), \
                     f"alltoall {dtype} trailing {trailing} splits {splits}"
     even = [np.arange(size * 2, dtype=np.int32) + 100 * r for r in range(size)]
-    got = rs.alltoall(even[me])  # no splits: an even split, and the output alone
+    got = comm.alltoall(even[me])  # no splits: an even split, and the output alone
     assert np.array_equal(got, np.concatenate([e[2 * me:2 * me + 2] for e in even]))
-    rs.shutdown()
 
 
-def barrier_orders_ranks():
-    """No rank leaves the barrier before every rank has entered it: each rank leaves a
-    marker file before entering, and checks everyone's marker after leaving."""
-    rs.init()
-    folder = os.environ["RINGSYNC_TEST_DIR"]
+def barrier_orders_ranks(comm):
+    """No rank leaves the barrier before every rank has entered it: ranks enter at
+    different times, then compare when each entered and left (CLOCK_MONOTONIC is one
+    clock for every process and thread of a host)."""
+    me, size = comm.rank(), comm.size()
     for round_ in range(5):
-        time.sleep(0.05 * ((rs.rank() + round_) % rs.size()))  # enter at different times
-        open(os.path.join(folder, f"r{round_}-{rs.rank()}"), "w").close()
-        rs.barrier()
-        missing = [r for r in range(rs.size())
-                   if not os.path.exists(os.path.join(folder, f"r{round_}-{r}"))]
-        assert not missing, f"round {round_}: left the barrier before ranks {missing} entered"
-    rs.shutdown()
+        time.sleep(0.05 * ((me + round_) % size))  # enter at different times
+        entered = time.monotonic()
+        comm.barrier()
+        left = time.monotonic()
+        times = comm.allgather(np.array([[entered, left]]))
+        last_in = int(np.argmax(times[:, 0]))
+        assert left >= times[last_in, 0], \
+            f"round {round_}: left the barrier before rank {last_in} entered"
 
 
-def topology_queries():
-    rs.init()
-    from mpi4py import MPI
-    assert rs.is_initialized()
-    assert (rs.rank(), rs.size()) == (MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size)
-    # Every rank runs on this one host here.
-    assert (rs.local_rank(), rs.local_size()) == (rs.rank(), rs.size())
-    assert (rs.cross_rank(), rs.cross_size()) == (0, 1)
-    rs.shutdown()
-    assert not rs.is_initialized()
-    # A sub-communicator works too, and init can follow a shutdown.
-    sub = MPI.COMM_WORLD.Split(color=rs_color(), key=0)
-    rs.init(sub)
-    assert rs.size() == sub.size and rs.rank() == sub.rank
-    got = rs.allreduce(np.array([MPI.COMM_WORLD.rank], dtype=np.int64), op=rs.Sum)
-    members = [r for r in range(MPI.COMM_WORLD.size) if r % 2 == MPI.COMM_WORLD.rank % 2]
-    assert got[0] == sum(members), (got, members)
-    rs.shutdown()
-    sub.Free()
-
-
-def rs_color():
-    from mpi4py import MPI
-    return MPI.COMM_WORLD.rank % 2
-
-
-def bad_input_then_next_call_works():
+def bad_input_then_next_call_works(comm):
     """Every bad call raises a clear UsageError on the calling rank and leaves the ring usable."""
-    rs.init()
-    me, size = rs.rank(), rs.size()
+    me, size = comm.rank(), comm.size()
     ok = np.arange(4.0) + me
 
     def expect(fragment, fn, *args, **kwargs):
@@ -210,136 +242,35 @@ def bad_input_then_next_call_works():
             assert fragment in str(e), f"expected {fragment!r} in {e}"
         else:
             raise AssertionError(f"no UsageError for {fragment!r}")
-        got = rs.allreduce(ok, op=rs.Sum)  # the next collective still works
+        got = comm.allreduce(ok, op=rs.Sum)  # the next collective still works
         assert np.array_equal(got, np.arange(4.0) * size + sum(range(size)))
 
-    expect("object", rs.allreduce, np.array([1, "a"], dtype=object))
-    expect("complex128", rs.allreduce, np.ones(3, dtype=np.complex128))
-    expect("bool", rs.allreduce, np.ones(3, dtype=bool))
-    expect("read-only", rs.allreduce_, np.frombuffer(b"12345678", dtype=np.uint8))
-    expect("not C-contiguous", rs.allreduce_, np.zeros((4, 4))[:, 1])
-    expect("out of range", rs.broadcast, ok, root_rank=size)
-    expect("out of range", rs.broadcast_, ok.copy(), root_rank=-1)
-    expect("unknown reduction op", rs.allreduce, ok, op=42)
-    expect("splits", rs.alltoall, np.zeros(3), splits=[1] * (size + 1))
+    expect("object", comm.allreduce, np.array([1, "a"], dtype=object))
+    expect("complex128", comm.allreduce, np.ones(3, dtype=np.complex128))
+    expect("bool", comm.allreduce, np.ones(3, dtype=bool))
+    expect("read-only", comm.allreduce_, np.frombuffer(b"12345678", dtype=np.uint8))
+    expect("not C-contiguous", comm.allreduce_, np.zeros((4, 4))[:, 1])
+    expect("out of range", comm.broadcast, ok, root_rank=size)
+    expect("out of range", comm.broadcast_, ok.copy(), root_rank=-1)
+    expect("unknown reduction op", comm.allreduce, ok, op=42)
+    expect("splits", comm.alltoall, np.zeros(3), splits=[1] * (size + 1))
     if size > 1:
-        expect("not divisible", rs.alltoall, np.zeros(size * 2 + 1))
+        expect("not divisible", comm.alltoall, np.zeros(size * 2 + 1))
         # A mismatch across ranks: every rank raises, naming the ranks and both values.
         trailing = (3,) if me == size - 1 else (2,)
         expect(f"Mismatched allgather tensor shapes for 'grad.w': rank 0 sent [2, 2], rank "
                f"{size - 1} sent [2, 3] (only the first dimension may differ)",
-               rs.allgather, np.zeros((2,) + trailing), name="grad.w")
-    rs.shutdown()
-    try:
-        rs.allreduce(ok)
-    except rs.NotInitializedError as e:
-        assert "init()" in str(e)
-    else:
-        raise AssertionError("allreduce after shutdown did not raise")
+               comm.allgather, np.zeros((2,) + trailing), name="grad.w")
 
 
-def killed_peer_fails_the_others(marker=""):
-    """Rank `victim` is SIGKILLed while every rank loops on allreduce; each survivor must
-    raise CommunicationError naming the lost rank (not time out)."""
-    rs.init()
-    victim = int(os.environ.get("RINGSYNC_TEST_VICTIM", "1"))
-    folder = os.environ["RINGSYNC_TEST_DIR"]
-    data = np.ones(1 << 18, dtype=np.float32)
-    for step in range(100_000):
-        if rs.rank() == victim and step == 20:
-            os.kill(os.getpid(), signal.SIGKILL)
-        try:
-            rs.allreduce_(data, op=rs.Average)
-        except rs.CommunicationTimeout:
-            raise
-        except rs.CommunicationError as e:
-            assert f"connection to rank {victim} (host" in str(e), str(e)
-            with open(os.path.join(folder, f"survivor-{rs.rank()}"), "w") as f:
-                f.write(str(e))
-            break
-    else:
-        raise AssertionError("the victim never died")
-    # The broken communicator refuses further work with the same kind of error.
-    try:
-        rs.allreduce_(data)
-    except rs.CommunicationError:
-        pass
-    else:
-        raise AssertionError("a broken communicator accepted another collective")
-    rs.shutdown()
-    os._exit(0)  # skip MPI_Finalize, which would wait for the dead rank
+def routable_address_allreduce(comm):
+    inputs = _inputs(comm, (1001,), "float64", "Sum", "routable")
+    assert_reduced(comm.allreduce(inputs[comm.rank()], op=rs.Sum), inputs, "Sum",
+                   what=f"allreduce over {comm.config.iface}")
 
 
-def slow_peer_times_out():
-    """Rank 1 arrives long after RINGSYNC_TIMEOUT_SECONDS: rank 0 gives up with a timeout
-    naming rank 1, and rank 1 then learns that rank 0 gave up, instead of waiting."""
-    os.environ["RINGSYNC_TIMEOUT_SECONDS"] = "1.5"
-    rs.init()
-    if rs.rank() == 1:
-        time.sleep(5)
-    try:
-        rs.allreduce(np.ones(10))
-    except rs.CommunicationTimeout as e:
-        assert rs.rank() == 0, f"rank {rs.rank()} timed out: {e}"
-        assert "waited" in str(e) and "for ranks [1] to submit it" in str(e), str(e)
-    except rs.CommunicationError as e:
-        assert rs.rank() == 1, f"rank {rs.rank()}: {e}"
-        assert "rank 0 (host" in str(e) and "aborted" in str(e), str(e)
-    else:
-        raise AssertionError(f"rank {rs.rank()}: allreduce finished despite the timeout")
-    rs.shutdown()
-
-
-def bad_interface_fails_on_every_rank():
-    os.environ["RINGSYNC_IFACE"] = "no-such-nic0"
-    try:
-        rs.init()
-    except rs.UsageError as e:
-        assert "RINGSYNC_IFACE='no-such-nic0'" in str(e), str(e)
-    else:
-        raise AssertionError("init succeeded with a bad RINGSYNC_IFACE")
-    assert not rs.is_initialized()
-
-
-def allreduce_over_routable_address():
-    """Listen on and connect to the address other hosts would use, not loopback."""
-    from ringsync import bootstrap
-    address = bootstrap.listen_addresses(None)[1]
-    os.environ["RINGSYNC_IFACE"] = address
-    rs.init()
-    inputs = _inputs((1001,), "float64", "Sum", "routable")
-    assert_reduced(rs.allreduce(inputs[rs.rank()], op=rs.Sum), inputs, "Sum",
-                   what=f"allreduce over {address}")
-    rs.shutdown()
-
-
-def mixed_transports():
-    """The first half of the ranks report host 'node-a', the rest 'node-b': same-"host"
-    ranks use shared memory, the two halves TCP, and every collective gives the same
-    results as on one transport."""
-    from mpi4py import MPI
-    world = MPI.COMM_WORLD
-    half = (world.size + 1) // 2
-    os.environ["RINGSYNC_HOST_NAME"] = "node-a" if world.rank < half else "node-b"
-    os.environ["RINGSYNC_TRANSPORT"] = "auto"
-    rs.init()
-    local = half if world.rank < half else world.size - half
-    assert rs.local_size() == local
-    assert rs.cross_size() == (2 if rs.local_rank() < world.size - half else 1)
-    assert rs._default.transport == ("shm" if local > 1 else "tcp"), rs._default.transport
-    rs.shutdown()
-    for body in (allreduce_all, allgather_all, broadcast_all, reducescatter_all, alltoall_all):
-        body()  # each starts with init() (same settings) and ends with shutdown()
-
-
-def forced_shm_needs_one_host():
-    """RINGSYNC_TRANSPORT=shm with ranks on two "hosts" fails on every rank, naming them."""
-    from mpi4py import MPI
-    os.environ["RINGSYNC_HOST_NAME"] = f"node-{MPI.COMM_WORLD.rank % 2}"
-    os.environ["RINGSYNC_TRANSPORT"] = "shm"
-    try:
-        rs.init()
-    except rs.RingsyncError as e:
-        assert "RINGSYNC_TRANSPORT=shm, but rank" in str(e), str(e)
-    else:
-        raise AssertionError("init() accepted shm across hosts")
+# Every check a matrix runs, by name.
+CHECKS = {f.__name__: f for f in (
+    allreduce_all, allreduce_large_and_strided, grouped_and_async_all, allgather_all,
+    broadcast_all, reducescatter_all, alltoall_all, barrier_orders_ranks,
+    bad_input_then_next_call_works)}

@@ -1,58 +1,56 @@
-"""Every collective x dtype x op on 1, 2, 3 and 4 ranks (one body, several rank counts),
-over each transport and same-host path, checked against numpy references built from all
-ranks' inputs."""
+"""Collectives under mpirun: what needs processes. The correctness matrix (every collective
+x dtype x op x size x rank count x transport) runs with ranks as threads of one process in
+tests/unit/test_thread_collectives.py; here the same checks run once more through the
+module-level API over the MPI rendezvous, next to the topology MPI reports and a setup
+error travelling through MPI. Each test function runs on every rank."""
+import numpy as np
 import pytest
 
-from ringsync.testing import assert_mpi_ok
+import ringsync as rs
 
-pytestmark = pytest.mark.requires_mpirun
+from . import bodies
 
-BODIES = [
-    "allreduce_all",
-    "allreduce_large_and_strided",
-    "allgather_all",
-    "broadcast_all",
-    "reducescatter_all",
-    "alltoall_all",
-    "barrier_orders_ranks",
-    "topology_queries",
-    "bad_input_then_next_call_works",
-    "bad_interface_fails_on_every_rank",
-    "allreduce_over_routable_address",
-]
+ENV = {"RINGSYNC_TIMEOUT_SECONDS": "60"}
 
 
-# How same-host ranks move data: the default (shared memory; blocking small allreduces on
-# the lane, large allreduces staged through the segments), TCP only, the ring over the
-# shared-memory transport (as between hosts), and every allreduce staged.
-PATHS = {
-    "shm": {"RINGSYNC_TRANSPORT": "shm"},
-    "tcp": {"RINGSYNC_TRANSPORT": "tcp"},
-    "shm-ring": {"RINGSYNC_TRANSPORT": "shm", "RINGSYNC_LANE_BYTES": "0",
-                 "RINGSYNC_STAGED_BYTES": "0"},
-    "staged": {"RINGSYNC_TRANSPORT": "shm", "RINGSYNC_LANE_BYTES": "0",
-               "RINGSYNC_STAGED_BYTES": "1"},
-}
-ALLREDUCE_BODIES = ["allreduce_all", "allreduce_large_and_strided"]
-CASES = ([(body, np, "shm") for body in BODIES for np in (1, 2, 3, 4)] +
-         [(body, np, "tcp") for body in BODIES for np in (2, 4)] +
-         [(body, np, "shm-ring") for body in ALLREDUCE_BODIES + ["barrier_orders_ranks"]
-          for np in (2, 3)] +
-         [(body, np, "staged") for body in ALLREDUCE_BODIES for np in (2, 3, 4)])
+@pytest.mark.ranks([2, 3], timeout=300, env=ENV)
+def test_every_check_through_the_module_api():
+    """rs.init() over MPI.COMM_WORLD, then every check of the matrix on the default path;
+    after shutdown() the module refuses calls again."""
+    rs.init()
+    for check in bodies.CHECKS.values():
+        check(rs)
+    rs.shutdown()
+    with pytest.raises(rs.NotInitializedError, match=r"init\(\)"):
+        rs.allreduce(np.ones(2))
 
 
-@pytest.mark.parametrize("body,np,path", CASES)
-def test_collective(body, np, path, tmp_path):
-    assert_mpi_ok(f"tests.mpi.bodies:{body}", np=np, timeout=180,
-                  env={"RINGSYNC_TEST_DIR": str(tmp_path), "RINGSYNC_TIMEOUT_SECONDS": "60",
-                       **PATHS[path]})
+@pytest.mark.ranks([3, 4], env=ENV)
+def test_topology_queries():
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    rs.init()
+    assert rs.is_initialized()
+    assert (rs.rank(), rs.size()) == (world.rank, world.size)
+    # Every rank runs on this one host here.
+    assert (rs.local_rank(), rs.local_size()) == (rs.rank(), rs.size())
+    assert (rs.cross_rank(), rs.cross_size()) == (0, 1)
+    rs.shutdown()
+    assert not rs.is_initialized()
+    # A sub-communicator works too, and init can follow a shutdown.
+    sub = world.Split(color=world.rank % 2, key=0)
+    rs.init(sub)
+    assert rs.size() == sub.size and rs.rank() == sub.rank
+    got = rs.allreduce(np.array([world.rank], dtype=np.int64), op=rs.Sum)
+    members = [r for r in range(world.size) if r % 2 == world.rank % 2]
+    assert got[0] == sum(members), (got, members)
+    rs.shutdown()
+    sub.Free()
 
 
-@pytest.mark.parametrize("np", [2, 3, 4])
-def test_mixed_transports_give_the_same_results(np):
-    assert_mpi_ok("tests.mpi.bodies:mixed_transports", np=np, timeout=180,
-                  env={"RINGSYNC_TIMEOUT_SECONDS": "60"})
-
-
-def test_forced_shared_memory_across_hosts_is_a_usage_error():
-    assert_mpi_ok("tests.mpi.bodies:forced_shm_needs_one_host", np=2, timeout=60)
+@pytest.mark.ranks(2, timeout=60, env={"RINGSYNC_IFACE": "no-such-nic0"})
+def test_bad_interface_fails_on_every_rank():
+    """A setup error on every rank travels through the MPI rendezvous: all ranks raise it."""
+    with pytest.raises(rs.UsageError, match="RINGSYNC_IFACE='no-such-nic0'"):
+        rs.init()
+    assert not rs.is_initialized()

@@ -1,0 +1,64 @@
+"""What the framework adapters share, written once: the rules of the differentiable
+collectives, and gradient compression by casting (each framework supplies only how to
+read and change a tensor's dtype)."""
+from typing import Optional
+
+from .errors import UsageError
+from .ops import ReduceOp
+
+
+def check_differentiable(op, what: str) -> None:
+    """Only Sum and Average have a gradient that is itself a reduction."""
+    if ReduceOp(op) not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        raise UsageError(f"ringsync.{what}: the gradient of a {ReduceOp(op).name.title()} "
+                         "reduction is not defined; use Sum or Average when gradients flow")
+
+
+def grad_name(name: Optional[str]) -> Optional[str]:
+    """The name of the collective that carries the gradient of collective `name`."""
+    return None if name is None else f"{name}.grad"
+
+
+class Compressor:
+    """compress(tensor) -> (tensor to reduce, context); decompress(tensor, context)."""
+
+    @staticmethod
+    def compress(tensor):
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor
+
+
+class NoneCompressor(Compressor):
+    """Tensors travel as they are."""
+
+
+class CastCompressor(Compressor):
+    """Floating-point tensors travel as `wire_dtype` and come back in their own dtype. A
+    framework's subclass says how: is_floating(t), dtype_of(t) and cast(t, dtype)."""
+
+    wire_dtype = None
+
+    @classmethod
+    def compress(cls, tensor):
+        if cls.is_floating(tensor) and cls.dtype_of(tensor) != cls.wire_dtype:
+            return cls.cast(tensor, cls.wire_dtype), cls.dtype_of(tensor)
+        return tensor, None
+
+    @classmethod
+    def decompress(cls, tensor, ctx):
+        return tensor if ctx is None else cls.cast(tensor, ctx)
+
+    @staticmethod
+    def is_floating(tensor) -> bool:
+        raise NotImplementedError
+
+    @staticmethod
+    def dtype_of(tensor):
+        return tensor.dtype
+
+    @staticmethod
+    def cast(tensor, dtype):
+        raise NotImplementedError

@@ -1,0 +1,221 @@
+"""The collective correctness matrix — every collective x dtype x op x size, on 1 to 4
+ranks, over each transport and same-host path — with ranks as threads of this process
+(tests/thread_ranks.py), checked against numpy references built from all ranks' inputs.
+Also the thread rendezvous itself, and setups that differ by rank (host names, bad
+interfaces) which need no processes either. tests/mpi/test_collectives.py keeps what
+needs them: the MPI rendezvous and the module-level API."""
+import threading
+
+import numpy as np
+import pytest
+
+import ringsync as rs
+from ringsync import bootstrap
+from ringsync.rendezvous import Rendezvous, ThreadGroup
+
+from tests.mpi import bodies
+from tests.thread_ranks import (assert_ok, assert_ranks_ok, rank_config, run_ranks,
+                                run_threads)
+
+TIMEOUT = 120  # seconds for one whole run; a hang fails the test with every rank's stack
+BASE_ENV = {"RINGSYNC_TIMEOUT_SECONDS": "60"}
+
+# How same-host ranks move data: the default (shared memory; blocking small allreduces on
+# the lane, large allreduces staged through the segments), TCP only, the engine over the
+# shared-memory transport (as between hosts; blocking calls negotiated by name), and every
+# allreduce staged.
+PATHS = {
+    "shm": {"RINGSYNC_TRANSPORT": "shm"},
+    "tcp": {"RINGSYNC_TRANSPORT": "tcp"},
+    "shm-ring": {"RINGSYNC_TRANSPORT": "shm", "RINGSYNC_LANE_BYTES": "0",
+                 "RINGSYNC_STAGED_BYTES": "0"},
+    "staged": {"RINGSYNC_TRANSPORT": "shm", "RINGSYNC_LANE_BYTES": "0",
+               "RINGSYNC_STAGED_BYTES": "1"},
+}
+ALLREDUCES = ["allreduce_all", "allreduce_large_and_strided", "grouped_and_async_all"]
+# Staging changes allreduces only; one rank has no peers to reach.
+CASES = ([(check, 1, "shm") for check in bodies.CHECKS] +
+         [(check, size, path) for check in bodies.CHECKS for size in (2, 3, 4)
+          for path in ("shm", "tcp", "shm-ring")] +
+         [(check, size, "staged") for check in ALLREDUCES for size in (2, 3, 4)])
+
+
+@pytest.mark.parametrize("check,size,path", CASES)
+def test_collective(check, size, path):
+    assert_ranks_ok(bodies.CHECKS[check], size, timeout=TIMEOUT,
+                    env={**BASE_ENV, **PATHS[path]})
+
+
+def _two_hosts(size):
+    """The first half of the ranks report host 'node-a', the rest 'node-b'."""
+    half = (size + 1) // 2
+    return lambda rank: {"RINGSYNC_HOST_NAME": "node-a" if rank < half else "node-b"}
+
+
+def _mixed_transports(comm):
+    size, half = comm.size(), (comm.size() + 1) // 2
+    local = half if comm.rank() < half else size - half
+    assert comm.local_size() == local
+    assert comm.cross_size() == (2 if comm.local_rank() < size - half else 1)
+    assert comm.transport == ("shm" if local > 1 else "tcp"), comm.transport
+    for name in ("allreduce_all", "allgather_all", "broadcast_all", "reducescatter_all",
+                 "alltoall_all"):
+        bodies.CHECKS[name](comm)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_mixed_transports_give_the_same_results(size):
+    """Same-"host" ranks use shared memory, the two halves TCP: the same results."""
+    assert_ranks_ok(_mixed_transports, size, timeout=TIMEOUT,
+                    env={**BASE_ENV, "RINGSYNC_TRANSPORT": "auto"}, rank_env=_two_hosts(size))
+
+
+def _expect_init_error(env, rank_env, error, fragments):
+    """Every rank's Communicator() raises `error` with every fragment in its message."""
+    def rank_main(rendezvous):
+        config = rank_config(env, rank_env, rendezvous.rank)
+        with pytest.raises(error) as caught:
+            rs.Communicator(rendezvous=rendezvous, config=config).shutdown()
+        for fragment in fragments:
+            assert fragment in str(caught.value), (fragment, str(caught.value))
+    return rank_main
+
+
+def test_forced_shared_memory_across_hosts_is_a_usage_error():
+    assert_ok(run_threads(_expect_init_error(
+        {"RINGSYNC_TRANSPORT": "shm"}, _two_hosts(2), rs.RingsyncError,
+        ["RINGSYNC_TRANSPORT=shm, but rank"]), 2, TIMEOUT), "forced shm", TIMEOUT)
+
+
+@pytest.mark.parametrize("size", [1, 3])
+def test_bad_interface_fails_on_every_rank(size):
+    assert_ok(run_threads(_expect_init_error(
+        {"RINGSYNC_IFACE": "no-such-nic0"}, None, rs.UsageError,
+        ["RINGSYNC_IFACE='no-such-nic0'"]), size, TIMEOUT), "bad interface", TIMEOUT)
+
+
+def test_bad_interface_on_one_rank_fails_every_rank_naming_it():
+    assert_ok(run_threads(_expect_init_error(
+        {}, lambda rank: {"RINGSYNC_IFACE": "no-such-nic0"} if rank == 1 else {},
+        rs.UsageError, ["rank 1: RINGSYNC_IFACE='no-such-nic0'"]), 3, TIMEOUT),
+        "bad interface on rank 1", TIMEOUT)
+
+
+def test_settings_that_differ_fail_every_rank_naming_them():
+    assert_ok(run_threads(_expect_init_error(
+        {}, lambda rank: {"RINGSYNC_FUSION_THRESHOLD": str(1000 + rank)}, rs.UsageError,
+        ["RINGSYNC_FUSION_THRESHOLD is 1000 on rank 0 but 1001 on rank 1 (and 1 more ranks)"]),
+        3, TIMEOUT), "settings that differ", TIMEOUT)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_allreduce_over_routable_address(size):
+    """Listen on and connect to the address other hosts would use, not loopback."""
+    address = bootstrap.listen_addresses(None)[1]
+    assert_ranks_ok(bodies.routable_address_allreduce, size, timeout=TIMEOUT,
+                    env={**BASE_ENV, "RINGSYNC_TRANSPORT": "tcp", "RINGSYNC_IFACE": address})
+
+
+def test_rings_of_one_process_are_independent():
+    """Two rings at once in one process, each of its own thread-ranks, do not meet."""
+    outcomes = {}
+
+    def ring(tag, size):
+        outcomes[tag] = run_ranks(lambda comm: comm.allreduce(
+            np.array([comm.rank() + tag], np.float64), op=rs.Sum, name="same.name"), size,
+            env=BASE_ENV, timeout=60)
+
+    threads = [threading.Thread(target=ring, args=(tag, n)) for tag, n in ((100, 2), (1000, 3))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    got = {tag: assert_ok(outcomes[tag], f"ring {tag}", 60) for tag in outcomes}
+    assert [float(x[0]) for x in got[100]] == [201.0] * 2
+    assert [float(x[0]) for x in got[1000]] == [3003.0] * 3
+
+
+# ------------------------------------------------------------------ the thread rendezvous
+
+
+def test_thread_group_exchanges_in_rank_order():
+    def exchange(rendezvous):
+        me = rendezvous.rank
+        return [rendezvous.allgather(("round", k, me)) for k in range(3)] + \
+            [rendezvous.bcast(f"from {me}", root=2)]
+
+    values = assert_ok(run_threads(exchange, 4, 30), "exchange", 30)
+    for got in values:
+        assert got[:3] == [[("round", k, r) for r in range(4)] for k in range(3)]
+        assert got[3] == "from 2"
+
+
+def test_thread_group_abort_fails_waiting_ranks():
+    group = ThreadGroup(3, timeout=30)
+    errors = []
+
+    def wait_for_all(rank):
+        try:
+            group.rendezvous(rank).allgather(rank)
+        except rs.CommunicationError as e:
+            errors.append(str(e))
+
+    threads = [threading.Thread(target=wait_for_all, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    group.abort()  # rank 2 gave up
+    for t in threads:
+        t.join(10)
+    assert len(errors) == 2 and all("another rank gave up" in e for e in errors), errors
+
+
+def test_thread_group_deadline():
+    group = ThreadGroup(2, timeout=0.2)
+    with pytest.raises(rs.CommunicationError, match="within 0.2 s"):
+        group.rendezvous(0).allgather("alone")
+    with pytest.raises(rs.CommunicationError):  # the group stays broken for the late rank
+        group.rendezvous(1).allgather("late")
+
+
+def test_a_failing_rank_does_not_hang_the_others():
+    """Rank 1 raises before its allreduce: it aborts, and its peers fail promptly."""
+    def body(comm):
+        if comm.rank() == 1:
+            raise RuntimeError("rank 1 fails on purpose")
+        comm.allreduce(np.ones(4), name="never.matched")
+
+    outcomes = run_ranks(body, 3, env=BASE_ENV, timeout=60)
+    assert "fails on purpose" in outcomes[1].error
+    for rank in (0, 2):
+        assert outcomes[rank].stack is None, outcomes[rank].stack
+        assert "CommunicationError" in outcomes[rank].error, outcomes[rank].error
+
+
+def _names_differ(comm):
+    comm.allreduce(np.ones(4), name=f"only.rank{comm.rank()}")  # waits for peers forever
+
+
+def test_a_hang_fails_at_the_deadline_showing_where_each_rank_was():
+    """Past the deadline every live rank's stack is reported, and the engines are aborted
+    so that the threads unwind instead of hanging the test run."""
+    outcomes = run_ranks(_names_differ, 2, env={"RINGSYNC_LANE_BYTES": "0"}, timeout=2)
+    for o in outcomes:  # both were waiting, and both unwound, failing
+        assert "comm.allreduce" in o.stack, o.stack
+        assert "CommunicationError" in o.error, o.error
+    assert any("deadline passed" in o.error for o in outcomes)
+    with pytest.raises(AssertionError, match="still running after 2 s"):
+        assert_ok(outcomes, "names that differ", 2)
+
+
+def test_communicator_takes_a_rendezvous_or_an_mpi_comm_not_both():
+    rendezvous = ThreadGroup(1).rendezvous(0)
+    assert isinstance(rendezvous, Rendezvous) and rendezvous.mpi_comm is None
+    with pytest.raises(rs.UsageError, match="not both"):
+        rs.Communicator(object(), rendezvous=rendezvous)
+    comm = rs.Communicator(rendezvous)  # in the MPI communicator's place
+    try:
+        assert (comm.rank(), comm.size(), comm.rendezvous) == (0, 1, rendezvous)
+        assert comm.mpi_comm is None
+        assert comm.allreduce(np.arange(3.0), op=rs.Sum).tolist() == [0.0, 1.0, 2.0]
+    finally:
+        comm.shutdown()
