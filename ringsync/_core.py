@@ -154,9 +154,15 @@ class Communicator:
         just built): use it as it is instead of a duplicate, so that revoking it also
         interrupts this constructor's own MPI calls. rendezvous: build over this instead
         of MPI; the Communicator closes it when it shuts down."""
-        self.config = config or Config.from_env()
         self._rendezvous = as_rendezvous(mpi_comm, own_comm, rendezvous)
         self._rank, self._size = self._rendezvous.rank, self._rendezvous.size
+        # A bad setting on one rank travels through the first exchange (see _connect):
+        # raised here, it would leave the other ranks waiting in the rendezvous.
+        self._setup_error = None
+        try:
+            self.config = config or Config.from_env()
+        except UsageError as e:
+            self.config, self._setup_error = Config(), ("usage", f"rank {self._rank}: {e}")
         self._c = ffi.NULL
         self._engine = ffi.NULL
         self._lane = False
@@ -180,6 +186,7 @@ class Communicator:
         # Errors travel through the allgather instead of being raised here: a rank that
         # raised before it would leave its peers waiting in the rendezvous forever.
         me, local_error = self._open_listener()
+        local_error = self._setup_error or local_error
         peers = self._rendezvous.allgather((me, local_error, self.config.agreed()))
         self._raise_if_any_failed([err for _, err, _ in peers], "setting up the listening socket")
         self._raise_if_settings_differ([settings for _, _, settings in peers])

@@ -123,6 +123,20 @@ def test_ranks_with_different_settings_fail_init(variable, value):
     rs.shutdown()
 
 
+@pytest.mark.ranks(3)
+def test_a_bad_setting_on_one_rank_fails_init_everywhere():
+    """Rank 2 alone has an unreadable setting: every rank's init() fails naming it (none
+    waits for rank 2 in the rendezvous); without it, the next init() works."""
+    if _world_rank() == 2:
+        os.environ["RINGSYNC_FUSION_THRESHOLD"] = "lots"
+    _expect(rs.UsageError, "rank 2: RINGSYNC_FUSION_THRESHOLD='lots' is not a whole number",
+            rs.init)
+    os.environ.pop("RINGSYNC_FUSION_THRESHOLD", None)
+    rs.init()
+    _next_call_works("bad setting")
+    rs.shutdown()
+
+
 @pytest.mark.ranks(2)
 def test_per_rank_settings_may_differ():
     me = _world_rank()
