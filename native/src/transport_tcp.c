@@ -667,9 +667,11 @@ static rs_status_t tcp_connect(rs_comm_t *comm, const char **hosts, const int *p
 static int sent_abort_notice(rs_comm_t *comm, int peer) {
     tcp_state_t *st = state_of(comm);
     char c = 0;
-    if (!st->aborted[peer] && recv(st->fds[peer], &c, 1, MSG_OOB | MSG_DONTWAIT) == 1)
-        st->aborted[peer] = c == ABORT_NOTICE;
-    return st->aborted[peer];
+    /* aborted[] is read by any thread (tcp_peer_state): atomic on both sides. */
+    if (!__atomic_load_n(&st->aborted[peer], __ATOMIC_ACQUIRE) &&
+        recv(st->fds[peer], &c, 1, MSG_OOB | MSG_DONTWAIT) == 1)
+        __atomic_store_n(&st->aborted[peer], c == ABORT_NOTICE, __ATOMIC_RELEASE);
+    return __atomic_load_n(&st->aborted[peer], __ATOMIC_ACQUIRE);
 }
 
 static int has_hung_up(int fd) {
@@ -681,7 +683,7 @@ static int tcp_peer_state(rs_comm_t *comm, int peer) {
     tcp_state_t *st = state_of(comm);
     if (!st || st->fds[peer] < 0)
         return RS_PEER_LOST;
-    if (__atomic_load_n(&st->aborted[peer], __ATOMIC_RELAXED))
+    if (__atomic_load_n(&st->aborted[peer], __ATOMIC_ACQUIRE))
         return RS_PEER_ABORTED; /* latched by the engine thread */
     struct pollfd p = {.fd = st->fds[peer], .events = POLLRDHUP | POLLPRI};
     if (poll(&p, 1, 0) != 1)
