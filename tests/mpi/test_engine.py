@@ -8,16 +8,20 @@ import pytest
 
 from ringsync.testing import assert_mpi_ok, run_mpi
 
+from . import in_order
+
 pytestmark = pytest.mark.requires_mpirun
 
 BODY = "tests.mpi.engine_bodies:"
 
 
 @pytest.mark.parametrize("np", [1, 2, 3, 4])
-@pytest.mark.parametrize("body", ["out_of_order_submission", "grouped_and_async_collectives",
-                                  "restart_with_a_new_rank_set", "join_with_uneven_steps"])
-def test_engine(body, np):
-    assert_mpi_ok(BODY + body, np=np, timeout=180, env={"RINGSYNC_TIMEOUT_SECONDS": "60"})
+def test_engine(np):
+    """These bodies one after another in one job (see tests/mpi/in_order.py)."""
+    bodies = ["out_of_order_submission", "grouped_and_async_collectives",
+              "restart_with_a_new_rank_set", "join_with_uneven_steps"]
+    assert_mpi_ok(in_order.TARGET, np=np, timeout=300, env={"RINGSYNC_TIMEOUT_SECONDS": "60"},
+                  args=in_order.args_for("tests.mpi.engine_bodies", bodies))
 
 
 @pytest.mark.parametrize("np", [2, 4])

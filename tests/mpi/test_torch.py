@@ -7,37 +7,39 @@ pytest.importorskip("torch")
 
 from ringsync.testing import assert_mpi_ok  # noqa: E402
 
+from . import in_order  # noqa: E402
+
 pytestmark = pytest.mark.requires_mpirun
 
-BODY = "tests.mpi.torch_bodies:"
+MODULE = "tests.mpi.torch_bodies"
+BODY = MODULE + ":"
 ENV = {"RINGSYNC_TIMEOUT_SECONDS": "60", "OMP_NUM_THREADS": "1"}
 
 
+BODIES = ["collectives_on_tensors", "gradients_through_collectives",
+          "broadcast_makes_ranks_identical", "sync_batch_norm_matches_full_batch",
+          "optimizer_misuse_and_state", "join_lets_ranks_with_less_data_stop_early"]
+# (optimizer, dtype, backward passes per step, compression)
+TRAINING = [("sgd", "float64", "1", "none"), ("sgd", "float64", "2", "none"),
+            ("adam", "float64", "1", "none"), ("adam", "float64", "2", "none"),
+            ("sgd", "float32", "1", "none"), ("adam", "float32", "2", "none"),
+            ("sgd", "float32", "1", "fp16"), ("adam", "float32", "1", "fp16"),
+            ("sgd", "float32", "2", "bf16")]
+
+
 @pytest.mark.parametrize("np", [1, 2, 3])
-@pytest.mark.parametrize("body", ["collectives_on_tensors", "gradients_through_collectives",
-                                  "broadcast_makes_ranks_identical",
-                                  "sync_batch_norm_matches_full_batch",
-                                  "optimizer_misuse_and_state",
-                                  "join_lets_ranks_with_less_data_stop_early"])
-def test_torch(body, np):
-    assert_mpi_ok(BODY + body, np=np, timeout=180, env=ENV)
+def test_torch(np):
+    """Every body, one after another in one job (see tests/mpi/in_order.py)."""
+    assert_mpi_ok(in_order.TARGET, np=np, timeout=400, env=ENV,
+                  args=in_order.args_for(MODULE, BODIES))
 
 
-@pytest.mark.parametrize("kind,dtype,passes,compression", [
-    ("sgd", "float64", "1", "none"),
-    ("sgd", "float64", "2", "none"),
-    ("adam", "float64", "1", "none"),
-    ("adam", "float64", "2", "none"),
-    ("sgd", "float32", "1", "none"),
-    ("adam", "float32", "2", "none"),
-    ("sgd", "float32", "1", "fp16"),
-    ("adam", "float32", "1", "fp16"),
-    ("sgd", "float32", "2", "bf16"),
-])
 @pytest.mark.parametrize("np", [2, 3])
-def test_training_matches_one_process(np, kind, dtype, passes, compression):
-    assert_mpi_ok(BODY + "training_matches_one_process", np=np, timeout=180, env=ENV,
-                  args=(kind, dtype, passes, compression))
+def test_training_matches_one_process(np):
+    """DistributedOptimizer on 1/np of each batch ends where one process does, for every
+    optimizer x dtype x backward_passes_per_step x compression in TRAINING."""
+    assert_mpi_ok(in_order.TARGET, np=np, timeout=400, env=ENV,
+                  args=in_order.args_for(MODULE, ["training_matches_one_process"], TRAINING))
 
 
 def test_pytorch_digits_example_reaches_95_percent():
