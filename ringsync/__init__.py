@@ -103,10 +103,25 @@ def is_initialized() -> bool:
     return _default is not None and not _default.closed
 
 
-def _comm() -> Communicator:
+def _comm(process_set=None) -> Communicator:
+    """The communicator a call runs on: `process_set` when given (a Communicator; the
+    adapters' functions all take one), else the default one that init() made."""
+    if process_set is not None:
+        if not isinstance(process_set, Communicator):
+            raise UsageError(f"ringsync: process_set must be a ringsync.Communicator, got "
+                             f"{type(process_set).__name__}")
+        if process_set.closed:
+            raise UsageError("ringsync: process_set is a closed communicator")
+        return process_set
     if _default is None or _default.closed:
         raise NotInitializedError("ringsync has not been initialized; call ringsync.init() first")
     return _default
+
+
+def _install(comm: Communicator):
+    """Make comm the default communicator (elastic recovery hands its new ring here)."""
+    global _default
+    _default = comm
 
 
 def _install_die_hard_excepthook():
@@ -243,12 +258,20 @@ def join() -> int:
 
 def poll(handle) -> bool:
     """True once the handle's collective has completed."""
-    return _comm().poll(handle)
+    return _owner(handle).poll(handle)
 
 
 def synchronize(handle):
     """Wait for an async handle; returns its result or raises its error."""
-    return _comm().synchronize(handle)
+    return _owner(handle).synchronize(handle)
+
+
+def _owner(handle) -> Communicator:
+    """The communicator a handle came from (which may not be the default)."""
+    comm = getattr(handle, "_comm", None)
+    if not isinstance(comm, Communicator):
+        raise UsageError(f"ringsync: {handle!r} is not a ringsync Handle")
+    return comm
 
 
 def start_timeline(path):

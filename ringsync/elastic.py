@@ -30,8 +30,10 @@ import ringsync as _rs
 
 from . import bootstrap
 from .config import Config
+from ._core import Communicator
 from .errors import CommunicationError, UsageError
 from .objects import broadcast_object
+from .rendezvous import FaultTolerance
 
 
 class State:
@@ -147,24 +149,29 @@ class ObjectState(State):
 
 def run(func):
     """Decorator for the training function ``func(state, ...)``. Syncs the state, runs
-    func, and on a lost rank recovers and runs it again from the restored commit."""
+    func, and on a lost rank recovers and runs it again from the restored commit. It
+    works on the default communicator (ringsync.init()'s): recovery hands back a new one,
+    which becomes the default, so that rank(), size() and every collective use it."""
 
     @functools.wraps(func)
     def wrapper(state: State, *args, **kwargs):
-        recovery = _Recovery(Config.from_env())
+        recovery = _Recovery(Config.from_env(), _rs._comm())
         while True:
             try:
                 state.sync()
                 return func(state, *args, **kwargs)
             except Exception as error:
-                if not _is_rank_failure(error):
+                if not _is_rank_failure(error, recovery.comm):
                     raise
-                recovery.recover(state, error)
+                recovery.recover(error, state.commit_id, install=_rs._install)
+                state.restore(recovery.commit)
+                state.on_reset()
+                recovery.report()
 
     return wrapper
 
 
-def _is_rank_failure(error: BaseException) -> bool:
+def _is_rank_failure(error: BaseException, comm) -> bool:
     """A failure of the ring or of MPI, even where a framework re-raised it as its own
     error type (TensorFlow wraps exceptions raised inside its ops)."""
     if isinstance(error, CommunicationError):
@@ -175,8 +182,7 @@ def _is_rank_failure(error: BaseException) -> bool:
             return True
     except ImportError:
         pass
-    current = _rs._default
-    return current is not None and current.broken
+    return comm is not None and comm.broken
 
 
 def _log(text: str) -> None:
@@ -199,45 +205,57 @@ def _warn_if_mpi_finalize_will_run():
 
 
 class _Recovery:
-    """One run() call's recoveries: how many there were, and the size to restore."""
+    """One run() call's recoveries of a communicator: `comm` is the newest ring, `commit`
+    the commit the state must roll back to after the last recovery."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, comm):
         self.config = config
+        self.comm = comm
         self.resets = 0
-        self.target_size = _rs.size()
+        self.target_size = comm.size()
         if config.elastic_max_np:
             self.target_size = min(self.target_size, config.elastic_max_np)
+        self.commit = None
 
-    def recover(self, state: State, error: BaseException) -> None:
-        old = _rs._default
-        old_rank, old_size = old.rank(), old.size()
-        if not bootstrap.fault_tolerant():
+    def recover(self, error: BaseException, commit_id: int, install=None):
+        """Replace the failed ring by one over the survivors (and replacements), agreed
+        through the old ring's rendezvous (rendezvous.FaultTolerance). Returns the new
+        Communicator, after handing it to install(comm) (run() makes it the default there,
+        before the state's reset callbacks ask for size())."""
+        old = self.comm
+        self._commit_id = commit_id
+        self._old_rank, self._old_size = old.rank(), old.size()
+        if not bootstrap.fault_tolerant() or not isinstance(old.rendezvous, FaultTolerance):
             raise CommunicationError(
-                f"rank {old_rank} lost its peers and cannot recover: elastic training needs MPI "
-                f"fault tolerance (ringsync run --elastic, or mpirun --with-ft ulfm). The "
-                f"failure: {error}") from error
-        started = time.monotonic()
-        _log(f"rank {old_rank} of {old_size}: {error}; recovering")
-        old.abort(f"rank {old_rank} is recovering from a failure")
-        self._world = old.mpi_comm
+                f"rank {self._old_rank} lost its peers and cannot recover: elastic training "
+                f"needs MPI fault tolerance (ringsync run --elastic, or mpirun --with-ft ulfm). "
+                f"The failure: {error}") from error
+        self._started = time.monotonic()
+        _log(f"rank {self._old_rank} of {self._old_size}: {error}; recovering")
+        old.abort(f"rank {self._old_rank} is recovering from a failure")
+        self._meeting = old.rendezvous
         while True:
             self._count_reset()
             try:
-                lost, spawned, commit = self._rebuild(self._world, state)
+                self.comm = self._rebuild()
                 break
             except Exception as again:
-                if not _is_rank_failure(again):
+                if not _is_rank_failure(again, None):
                     raise
-                _log(f"another failure during recovery on rank {old_rank}: {again}; "
+                _log(f"another failure during recovery on rank {self._old_rank}: {again}; "
                      "recovering again")
-                if _rs._default is not None:
-                    _rs._default.abort("recovering again")
+        if install is not None:
+            install(self.comm)
         _warn_if_mpi_finalize_will_run()
-        if _rs.rank() == 0:
-            _log(f"lost rank(s) {lost} of {old_size}; {_rs.size() - spawned} survivors"
-                 + (f" + {spawned} replacement(s)" if spawned else "")
-                 + f" = {_rs.size()} ranks; restored commit {commit}; recovery took "
-                 f"{time.monotonic() - started:.2f} s (reset {self.resets})")
+        return self.comm
+
+    def report(self) -> None:
+        if self.comm.rank() == 0:
+            size = self.comm.size()
+            _log(f"lost rank(s) {self._lost} of {self._old_size}; {size - self._spawned} "
+                 "survivors" + (f" + {self._spawned} replacement(s)" if self._spawned else "")
+                 + f" = {size} ranks; restored commit {self.commit}; recovery took "
+                 f"{time.monotonic() - self._started:.2f} s (reset {self.resets})")
 
     def _count_reset(self) -> None:
         self.resets += 1
@@ -246,26 +264,20 @@ class _Recovery:
             _end_job(f"reset limit reached ({limit} recoveries, RINGSYNC_ELASTIC_RESET_LIMIT): "
                      "ending the job")
 
-    def _rebuild(self, world, state: State):
-        """One attempt. self._world follows the newest communicator built: every
-        survivor builds the same ones in the same order, so after another failure they
-        all revoke and shrink the same one."""
-        survivors, lost = bootstrap.shrink(world)
-        self._world = survivors
-        size = survivors.Get_size()
+    def _rebuild(self):
+        """One attempt. self._meeting follows the newest rendezvous made: every survivor
+        makes the same ones in the same order, so after another failure they all shrink
+        the same one."""
+        survivors, self._lost = self._meeting.shrink()
+        self._meeting = survivors
+        size = survivors.size
         if size < self.config.elastic_min_np:
-            _end_job(f"only {size} rank(s) left after losing rank(s) {lost}; the job needs "
-                     f"at least {self.config.elastic_min_np} (--min-np): ending the job")
+            _end_job(f"only {size} rank(s) left after losing rank(s) {self._lost}; the job "
+                     f"needs at least {self.config.elastic_min_np} (--min-np): ending the job")
         # Roll back to the newest commit every survivor holds.
-        from mpi4py import MPI
-        commit = survivors.allreduce(state.commit_id, op=MPI.MIN)
-        comm, spawned = survivors, 0
+        self.commit = survivors.allreduce_min(self._commit_id)
+        self._spawned = 0
         if self.config.elastic_respawn and size < self.target_size:
-            spawned = self.target_size - size
-            comm = bootstrap.spawn_replacements(survivors, spawned)
-            self._world = comm
-        _rs._default = None
-        _rs._start(comm, own_comm=True, survivor=True)
-        state.restore(commit)
-        state.on_reset()
-        return lost, spawned, commit
+            self._spawned = self.target_size - size
+            self._meeting = survivors.spawn(self._spawned)
+        return Communicator(rendezvous=self._meeting)

@@ -1,27 +1,32 @@
 """Python objects between ranks: pickled, then moved as bytes by the core's collectives.
-Only for peers you trust (unpickling runs code), as in Horovod."""
+Only for peers you trust (unpickling runs code), as in Horovod.
+
+`process_set`: the Communicator to use (default: the one ringsync.init() made)."""
 import pickle
 
 import numpy as np
 
 
-def broadcast_object(obj, root_rank=0, name=None):
+def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     """root_rank's obj (anything picklable: tensors and arrays included) on every rank."""
     import ringsync as rs
+    comm = rs._comm(process_set)
     name = name or "broadcast_object"
-    payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if rs.rank() == root_rank else None
-    size = rs.broadcast(np.array([0 if payload is None else payload.size], np.int64), root_rank,
-                        name=f"{name}.size")
+    mine = comm.rank() == root_rank
+    payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if mine else None
+    size = comm.broadcast(np.array([0 if payload is None else payload.size], np.int64),
+                          root_rank, name=f"{name}.size")
     buf = payload if payload is not None else np.empty(int(size[0]), np.uint8)
-    return pickle.loads(rs.broadcast(buf, root_rank, name=f"{name}.data").tobytes())
+    return pickle.loads(comm.broadcast(buf, root_rank, name=f"{name}.data").tobytes())
 
 
-def allgather_object(obj, name=None):
+def allgather_object(obj, name=None, process_set=None):
     """A list of every rank's obj (picklable), in rank order."""
     import ringsync as rs
+    comm = rs._comm(process_set)
     name = name or "allgather_object"
     payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
-    sizes = rs.allgather(np.array([payload.size], np.int64), name=f"{name}.sizes")
-    data = rs.allgather(payload, name=f"{name}.data").tobytes()
+    sizes = comm.allgather(np.array([payload.size], np.int64), name=f"{name}.sizes")
+    data = comm.allgather(payload, name=f"{name}.data").tobytes()
     starts = np.concatenate([[0], np.cumsum(sizes)])
     return [pickle.loads(data[starts[i]:starts[i + 1]]) for i in range(len(sizes))]

@@ -92,8 +92,9 @@ class _Ranks:
             if self.closing[r].acquire(blocking=False):
                 try:
                     comm = self.comms[r]
-                    if comm is not None and comm._engine != ffi.NULL:
-                        lib.rs_engine_abort(comm._engine, b"the test's deadline passed")
+                    engine = comm._ring.engine if comm is not None else ffi.NULL
+                    if engine != ffi.NULL:
+                        lib.rs_engine_abort(engine, b"the test's deadline passed")
                 finally:
                     self.closing[r].release()
         unwound = time.monotonic() + UNWIND_GRACE_S

@@ -32,7 +32,9 @@ _instances = itertools.count()  # wrappers made in this process, in order (the s
 class DistributedOptimizer(keras.optimizers.Optimizer):
     def __init__(self, optimizer, compression=Compression.none, backward_passes_per_step=1,
                  op=Average, gradient_predivide_factor=1.0, sparse_as_dense=False, name=None,
-                 **kwargs):
+                 process_set=None, **kwargs):
+        """process_set: the Communicator whose ranks average the gradients (default: the
+        one init() made). A live object: get_config() leaves it out."""
         if isinstance(optimizer, dict):  # from_config
             optimizer = keras.optimizers.deserialize(optimizer)
         if not isinstance(optimizer, keras.optimizers.Optimizer):
@@ -49,6 +51,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self._op = op
         self._predivide = float(gradient_predivide_factor)
         self._sparse_as_dense = sparse_as_dense
+        self._process_set = process_set
         self._accumulators = None
         # Tensor names must agree across ranks; Keras's auto-names (sgd, sgd_1, ...) count
         # every optimizer the process made, so count only these wrappers instead.
@@ -121,7 +124,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     def _reduce(self, grads):
         return _reduce_gradients(grads, self._compression, self._op, self._predivide,
-                                 self._sparse_as_dense, self._reduce_name)
+                                 self._sparse_as_dense, self._reduce_name, self._process_set)
 
     def _accumulate_then_apply(self, grads, variables):
         """Sum gradients locally for backward_passes_per_step calls, then reduce and apply
@@ -160,20 +163,20 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     """Make every rank start from root_rank's weights (at the start of training) and
     optimizer state (after the first batch, once the optimizer has created it)."""
 
-    def __init__(self, root_rank=0):
+    def __init__(self, root_rank=0, process_set=None):
         super().__init__()
-        self.root_rank = root_rank
+        self.root_rank, self.process_set = root_rank, process_set
         self._optimizer_done = False
 
     def on_train_begin(self, logs=None):
         _train_without_xla(self.model)
-        broadcast_variables(self.model.variables, self.root_rank)
+        broadcast_variables(self.model.variables, self.root_rank, self.process_set)
 
     def on_train_batch_end(self, batch, logs=None):
         if self._optimizer_done:
             return
-        broadcast_variables(self.model.variables, self.root_rank)
-        broadcast_variables(self.model.optimizer.variables, self.root_rank)
+        broadcast_variables(self.model.variables, self.root_rank, self.process_set)
+        broadcast_variables(self.model.optimizer.variables, self.root_rank, self.process_set)
         self._optimizer_done = True
 
 
@@ -181,12 +184,17 @@ class MetricAverageCallback(keras.callbacks.Callback):
     """Replace each epoch's metrics in `logs` by their average over all ranks, so that every
     rank (and later callbacks, e.g. checkpointing on val_loss) sees the same numbers."""
 
+    def __init__(self, process_set=None):
+        super().__init__()
+        self.process_set = process_set
+
     def on_epoch_end(self, epoch, logs=None):
         if not logs:
             return
         keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0)
         values = np.array([float(logs[k]) for k in keys], dtype=np.float64)
-        averaged = allreduce(tf.constant(values), op=Average, name=f"metrics.epoch{epoch}").numpy()
+        averaged = allreduce(tf.constant(values), op=Average, name=f"metrics.epoch{epoch}",
+                             process_set=self.process_set).numpy()
         for k, v in zip(keys, averaged):
             logs[k] = float(v)
 

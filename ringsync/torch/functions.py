@@ -20,22 +20,25 @@ def _named_tensors(params):
     return [(str(i), p) for i, p in enumerate(items)]
 
 
-def broadcast_parameters(params, root_rank=0, prefix="broadcast.param"):
+def broadcast_parameters(params, root_rank=0, prefix="broadcast.param", process_set=None):
     """Overwrite params (a state_dict, named_parameters() or a list of tensors) with
-    root_rank's values, in place, on every rank."""
+    root_rank's values, in place, on every rank (of process_set, a Communicator; default:
+    the one init() made)."""
     handles = []
     for name, p in _named_tensors(params):
         if not isinstance(p, torch.Tensor):
             raise UsageError(f"broadcast_parameters: '{name}' is a {type(p).__name__}, not a tensor")
         handles.append(mpi_ops.broadcast_async_(p.data if p.requires_grad else p, root_rank,
-                                                name=f"{prefix}.{name}"))
+                                                name=f"{prefix}.{name}",
+                                                process_set=process_set))
     for h in handles:
         mpi_ops.synchronize(h)
 
 
-def broadcast_optimizer_state(optimizer, root_rank=0):
+def broadcast_optimizer_state(optimizer, root_rank=0, process_set=None):
     """Make every rank's optimizer state (hyperparameters and buffers such as momentum)
     equal to root_rank's, including ranks whose state is not initialised yet."""
-    state = broadcast_object(optimizer.state_dict(), root_rank, name="broadcast.optimizer_state")
-    if _rs.rank() != root_rank:
+    state = broadcast_object(optimizer.state_dict(), root_rank, name="broadcast.optimizer_state",
+                             process_set=process_set)
+    if _rs._comm(process_set).rank() != root_rank:
         optimizer.load_state_dict(state)

@@ -14,6 +14,7 @@ import warnings
 import torch
 
 from ringsync import Average, ReduceOp
+from ringsync._core import prepare_allreduce_
 from ringsync.errors import UsageError
 
 from . import mpi_ops
@@ -25,7 +26,10 @@ _instances = itertools.count()  # names of unnamed optimizers, in construction o
 
 class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer, named_parameters=None, compression=Compression.none,
-                 backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0):
+                 backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
+                 process_set=None):
+        """process_set: the Communicator whose ranks average the gradients (default: the
+        one init() made, whichever it is at each step: elastic recovery replaces it)."""
         # Deliberately no super().__init__(): param_groups and state are the wrapped
         # optimizer's own (see the properties below), so there is one copy of each.
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -40,6 +44,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._compression = compression
         self._passes_per_step = backward_passes_per_step
         self._op = op
+        self._process_set = process_set
         self._predivide = gradient_predivide_factor
         self._names = self._parameter_names(named_parameters, next(_instances))
         self._pending = {}  # parameter -> (handle, wire tensor, compression context)
@@ -133,7 +138,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:
             wire, ctx = self._compression.compress(p.grad)
             handle = mpi_ops.allreduce_async_(wire, op=self._op, name=self._names[p],
-                                              **self._scale)
+                                              process_set=self._process_set, **self._scale)
             self._pending[p] = (handle, wire, ctx)
         self._passes[p] = 0
 
@@ -146,15 +151,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._compression is not Compression.none or grad.device.type != "cpu" or \
                 not grad.is_contiguous() or grad.numel() == 0:
             return None
-        comm = mpi_ops._comm()
+        comm = mpi_ops._comm(self._process_set)
         cached = self._prepared.get(p)
         if cached is None or cached[0].comm is not comm or cached[1] is not grad.dtype or \
                 cached[2] != grad.shape:
             like = to_numpy(grad.detach(), "DistributedOptimizer")
-            cached = (comm._prepare_allreduce_(self._names[p], like, self._op, **self._scale),
+            cached = (prepare_allreduce_(comm, self._names[p], like, self._op, **self._scale),
                       grad.dtype, grad.shape)
             self._prepared[p] = cached
-        return comm._start_prepared(cached[0], grad.data_ptr(), grad)
+        return cached[0].start(grad.data_ptr(), grad)
 
     def synchronize(self):
         """Wait until every parameter's gradient holds its reduction over all ranks.

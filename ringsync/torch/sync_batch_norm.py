@@ -14,8 +14,11 @@ from . import mpi_ops
 
 class SyncBatchNorm(torch.nn.Module):
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
-                 track_running_stats=True, device=None, dtype=None):
+                 track_running_stats=True, device=None, dtype=None, process_set=None):
+        """process_set: the Communicator whose ranks' batches are normalised together
+        (default: the one init() made)."""
         super().__init__()
+        self.process_set = process_set
         self.num_features, self.eps, self.momentum = num_features, eps, momentum
         self.affine, self.track_running_stats = affine, track_running_stats
         factory = {"device": device, "dtype": dtype}
@@ -59,7 +62,7 @@ class SyncBatchNorm(torch.nn.Module):
         dims = [0] + list(range(2, x.dim()))
         local_count = torch.tensor([x.numel() / self.num_features], dtype=x.dtype)
         stats = torch.cat([x.sum(dims), (x * x).sum(dims), local_count.to(x.device)])
-        total = mpi_ops.allreduce(stats, op=Sum)
+        total = mpi_ops.allreduce(stats, op=Sum, process_set=self.process_set)
         c = self.num_features
         count = total[2 * c]
         mean = total[:c] / count

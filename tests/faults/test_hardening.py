@@ -74,12 +74,13 @@ def test_dropped_handles_keep_their_buffers(transport):
     # Submissions free what finished dropped handles held (the calls above did); the last
     # one may still be running on the engine (blocking calls pass it on the lane), so the
     # same sweep is repeated here, locally, until the engine has finished it.
-    comm = rs._comm()
+    submitter = rs._comm()._submitter
     deadline = time.monotonic() + 30
-    while comm._orphans and time.monotonic() < deadline:
-        comm._release_finished_orphans()
+    while submitter.orphans and time.monotonic() < deadline:
+        submitter.release_finished_orphans()
         time.sleep(0.05)
-    assert len(comm._orphans) == 0, f"rank {me}: {len(comm._orphans)} dropped handles still held"
+    assert len(submitter.orphans) == 0, \
+        f"rank {me}: {len(submitter.orphans)} dropped handles still held"
     rs.shutdown()
 
 
@@ -158,7 +159,7 @@ def test_per_rank_settings_may_differ():
 def _raw_submit(kind, dtype, shape, buffer, splits=None):
     """Submit a request straight to the engine (a 1-byte buffer, whatever the shape claims)."""
     from ringsync._native import ffi, lib
-    comm = rs._comm()
+    engine = rs._comm()._ring.engine
     req = ffi.new("rs_request_t *")
     req.kind, req.dtype, req.ndim, req.urgent = kind, dtype, len(shape), 1
     req.shape[0:len(shape)] = list(shape)
@@ -169,14 +170,14 @@ def _raw_submit(kind, dtype, shape, buffer, splits=None):
         req.splits = keep
     name = ffi.new("char[]", f"raw.{kind}.{shape}".encode())
     ids = ffi.new("int64_t[1]")
-    status = lib.rs_engine_submit(comm._engine, ffi.new("const char *[1]", [name]), req, 1, ids)
+    status = lib.rs_engine_submit(engine, ffi.new("const char *[1]", [name]), req, 1, ids)
     if status != lib.RS_OK:
-        return status, ffi.string(lib.rs_engine_last_error(comm._engine)).decode()
+        return status, ffi.string(lib.rs_engine_last_error(engine)).decode()
     done = ffi.new("int *")
     while not done[0]:
-        status = lib.rs_engine_wait(comm._engine, ids[0], 1.0, done)
-    text = ffi.string(lib.rs_engine_handle_error(comm._engine, ids[0])).decode()
-    lib.rs_engine_release(comm._engine, ids[0])
+        status = lib.rs_engine_wait(engine, ids[0], 1.0, done)
+    text = ffi.string(lib.rs_engine_handle_error(engine, ids[0])).decode()
+    lib.rs_engine_release(engine, ids[0])
     return status, text
 
 

@@ -325,7 +325,7 @@ def same_host_lane():
     taking part with zeros in one-round, staged and engine allreduces."""
     rs.init()
     me, size, last = rs.rank(), rs.size(), rs.size() - 1
-    assert rs._comm()._lane == (size > 1), "every rank is on this host: the lane must be on"
+    assert rs._comm().uses_lane == (size > 1), "every rank is on this host: the lane must be on"
     limit, one_round = rs._comm().config.lane_bytes, rs._comm().config.small_allreduce_bytes
     for dtype in REDUCIBLE:
         item = np.dtype(dtype).itemsize

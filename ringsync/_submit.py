@@ -1,0 +1,260 @@
+"""Requests to the native engine, and the handles that wait for them.
+
+A Submitter is the Python face of one native engine: it hands requests over (or runs a
+blocking one on the same-host lane), keeps what each request's memory needs alive until
+the engine is done with it, and turns statuses into exceptions. It knows nothing about
+collectives' arguments: Communicator builds the requests.
+"""
+import collections
+import dataclasses
+import threading
+from typing import Callable, List, Optional
+
+import numpy as np
+
+from ._arrays import describe, dtype_code, pointer
+from ._native import ffi, lib
+from .errors import CommunicationError, CommunicationTimeout, UsageError
+
+_STATUS_ERRORS = {
+    lib.RS_ERR_USAGE: UsageError,
+    lib.RS_ERR_NOMEM: MemoryError,
+    lib.RS_ERR_COMM: CommunicationError,
+    lib.RS_ERR_TIMEOUT: CommunicationTimeout,
+    lib.RS_ERR_SYSTEM: CommunicationError,
+}
+_WAIT_SLICE_SECONDS = 0.2  # waits return this often so that Ctrl-C gets through
+
+
+class Handle:
+    """A submitted collective. poll() says whether it is done; synchronize() returns its
+    result (or raises its error). One handle per tensor, or several for a group."""
+
+    __slots__ = ("_comm", "_ids", "_keep", "_finish", "_what", "names", "_result", "_done")
+
+    def __init__(self, comm, ids, keep, finish, what, names):
+        """comm: the Communicator (synchronize finds it here); ids: engine handles (none
+        when the lane already ran the call)."""
+        self._comm, self._ids, self._keep = comm, ids, keep
+        self._finish, self._what, self.names = finish, what, names
+        self._result, self._done = None, False
+
+    def __repr__(self):
+        return f"<ringsync.Handle {self._what} {self.names}{' done' if self._done else ''}>"
+
+    def __del__(self):
+        # Dropped while pending: the engine may still read and write the buffers, so they
+        # go to the submitter, which frees them once the engine has finished.
+        if not self._done and self._ids and self._comm is not None:
+            try:
+                self._comm._submitter.adopt_orphan(self._ids, self._keep)
+            except Exception:  # interpreter shutdown: the engine is stopped by then
+                pass
+
+    def then(self, fn: Callable) -> "Handle":
+        """Have synchronize() return fn(result) instead (adapters convert results this way)."""
+        finish = self._finish
+        self._finish = lambda: fn(finish())
+        return self
+
+
+@dataclasses.dataclass
+class Request:
+    """One tensor to submit, and what must stay alive until it is done.
+
+    start_now: a caller waits for it at once, so the engine must not hold it back to fuse
+    it with later ones. try_lane: it may run on the same-host lane (a blocking call of one
+    tensor) instead of going to the engine."""
+    name: str
+    kind: int
+    dtype: int
+    src: np.ndarray
+    out: Optional[np.ndarray]
+    op: int = 0
+    prescale: float = 1.0
+    postscale: float = 1.0
+    root: int = 0
+    splits: Optional[np.ndarray] = None
+    start_now: bool = False
+    try_lane: bool = False
+
+
+def make_request(what, kind, name, src, out, *, op=0, prescale=1.0, postscale=1.0, root=0,
+                 splits=None, reduces=False, blocking=False) -> Request:
+    """A Request after the checks every kind shares. blocking: the caller waits for the
+    result right away (it then starts at once and may take the lane)."""
+    if src.ndim > lib.RS_MAX_DIMS:
+        raise UsageError(f"ringsync.{what}{describe(name)}: {src.ndim} dimensions; at most "
+                         f"{lib.RS_MAX_DIMS} are supported")
+    return Request(name, kind, dtype_code(src, what, name, reduces), src, out, op,
+                   float(prescale), float(postscale), root, splits, start_now=blocking,
+                   try_lane=blocking)
+
+
+def fill_struct(s, r: Request):
+    """Fill the native request struct s from r; returns what must stay alive meanwhile."""
+    s.kind, s.dtype, s.op, s.root = r.kind, r.dtype, r.op, r.root
+    s.prescale, s.postscale, s.urgent = r.prescale, r.postscale, r.start_now
+    s.ndim = r.src.ndim
+    s.shape[0:r.src.ndim] = r.src.shape
+    send = pointer(r.src)
+    recv = send if r.out is r.src else (pointer(r.out) if r.out is not None else ffi.NULL)
+    s.sendbuf, s.recvbuf = send, recv
+    if r.splits is not None:
+        s.splits = ffi.cast("int64_t *", pointer(r.splits))
+    return send, recv, r
+
+
+class PreparedAllreduce:
+    """An in-place allreduce built once (see _core.prepare_allreduce_), started many times."""
+
+    __slots__ = ("comm", "name", "name_c", "names", "struct", "ids")
+
+    def __init__(self, comm, request: Request):
+        self.comm, self.name = comm, request.name
+        self.name_c = ffi.new("char[]", request.name.encode())
+        self.names = ffi.new("const char *[1]")
+        self.names[0] = self.name_c
+        self.struct = ffi.new("rs_request_t *")
+        fill_struct(self.struct, request)
+        self.ids = ffi.new("int64_t[1]")
+
+    def start(self, address: int, keep) -> Handle:
+        """Reduce the tensor in place at `address` (keep holds that memory alive until the
+        engine is done with it); synchronize returns keep. Private API: the address must
+        point at memory of the prepared size that `keep` owns."""
+        if self.comm.closed:
+            raise UsageError("ringsync: the allreduce was prepared for a communicator that is "
+                             "closed now")
+        return self.comm._submitter.submit_prepared(self.comm, self, address, keep)
+
+
+class Submitter:
+    """Submits requests to a NativeRing's engine and waits for them."""
+
+    def __init__(self, ring):
+        self.ring = ring
+        self._per_thread = threading.local()
+        # (handle ids, buffers) of dropped pending handles. A deque: a handle may be dropped
+        # (by the garbage collector, in any thread) while a sweep runs, and its append and
+        # popleft are atomic.
+        self.orphans = collections.deque()
+
+    # ---- submitting ----
+
+    def submit(self, comm, requests: List[Request], finish: Callable, what: str) -> Handle:
+        """Hand requests to the engine. A request that may take the same-host lane runs
+        there when the lane can run it (allreduces and barriers)."""
+        if self.orphans:
+            self.release_finished_orphans()
+        if (len(requests) == 1 and requests[0].try_lane and self.ring.lane
+                and not self.ring.closed):
+            if self._run_on_lane(requests[0], what):  # done: synchronize only finishes it
+                return Handle(comm, [], None, finish, what, [requests[0].name])
+        n = len(requests)
+        names = [ffi.new("char[]", r.name.encode()) for r in requests]
+        structs = ffi.new("rs_request_t[]", n)
+        keep = [names] + [fill_struct(s, r) for s, r in zip(structs, requests)]
+        ids = ffi.new("int64_t[]", n)
+        status = lib.rs_engine_submit(self.ring.engine, ffi.new("const char *[]", names),
+                                      structs, n, ids)
+        if status != lib.RS_OK:
+            self.raise_engine_error(status, what)
+        return Handle(comm, list(ids), keep, finish, what, [r.name for r in requests])
+
+    def _run_on_lane(self, request: Request, what: str) -> bool:
+        """Post a blocking call on the same-host lane (no engine thread, no negotiation):
+        True when the lane ran it; False when every rank found that the engine must (any
+        collective but a small allreduce or a barrier): it then runs there, while a
+        disagreement between ranks has already failed here."""
+        struct = ffi.new("rs_request_t *")
+        keep = fill_struct(struct, request)  # noqa: F841 (the pointers must outlive the call)
+        ran = ffi.new("int *")
+        status = lib.rs_engine_try_lane(self.ring.engine, request.name.encode(), struct, ran)
+        if status != lib.RS_OK:
+            self.raise_engine_error(status, what, request.name)
+        return bool(ran[0])
+
+    def submit_prepared(self, comm, prepared: PreparedAllreduce, address: int, keep) -> Handle:
+        """Submit a prepared in-place allreduce of the memory at `address` (kept alive by
+        `keep`, which synchronize returns)."""
+        if self.orphans:
+            self.release_finished_orphans()
+        s = prepared.struct
+        s.sendbuf = s.recvbuf = ffi.cast("void *", address)
+        status = lib.rs_engine_submit(self.ring.engine, prepared.names, s, 1, prepared.ids)
+        if status != lib.RS_OK:
+            self.raise_engine_error(status, "allreduce_")
+        return Handle(comm, [prepared.ids[0]], keep, lambda: keep, "allreduce_", [prepared.name])
+
+    # ---- dropped handles ----
+
+    def adopt_orphan(self, ids, keep):
+        """Keep a dropped pending handle's buffers until the engine is done with them."""
+        if self.ring.engine != ffi.NULL:
+            self.orphans.append((list(ids), keep))
+
+    def release_finished_orphans(self):
+        """Free what dropped handles held, once the engine has finished with it (checked at
+        each submission, so that their number stays bounded by what is still running)."""
+        engine = self.ring.engine
+        for _ in range(len(self.orphans)):
+            ids, keep = self.orphans.popleft()
+            if all(lib.rs_engine_poll(engine, h) != 0 for h in ids):
+                for h in ids:
+                    lib.rs_engine_release(engine, h)
+            else:
+                self.orphans.append((ids, keep))
+
+    # ---- waiting ----
+
+    def poll(self, handle: Handle) -> bool:
+        if handle._done:
+            return True
+        return all(lib.rs_engine_poll(self.ring.engine, h) == 1 for h in handle._ids)
+
+    def synchronize(self, handle: Handle):
+        engine = self.ring.engine
+        local = self._per_thread
+        if not hasattr(local, "done"):
+            local.done = ffi.new("int *")
+        done = local.done
+        statuses = []
+        for h in handle._ids:
+            status = lib.rs_engine_wait(engine, h, _WAIT_SLICE_SECONDS, done)
+            while status == lib.RS_OK and not done[0]:
+                status = lib.rs_engine_wait(engine, h, _WAIT_SLICE_SECONDS, done)
+            statuses.append(status)
+        try:
+            self._raise_for(handle, statuses)
+            handle._result = handle._finish()
+        finally:
+            for h in handle._ids:
+                lib.rs_engine_release(engine, h)
+            handle._done, handle._keep = True, None
+        return handle._result
+
+    def take_result(self, handle_id):
+        """(data, rows, rows from each rank) of an allgather, alltoall or join."""
+        data, rows = ffi.new("void **"), ffi.new("int64_t *")
+        splits = np.empty(self.ring.size, dtype=np.int64)
+        lib.rs_engine_take_result(self.ring.engine, handle_id, data, rows,
+                                  ffi.cast("int64_t *", splits.ctypes.data))
+        return data[0], int(rows[0]), splits
+
+    # ---- errors ----
+
+    def _raise_for(self, handle: Handle, statuses):
+        for h, name, status in zip(handle._ids, handle.names, statuses):
+            if status != lib.RS_OK:
+                detail = ffi.string(lib.rs_engine_handle_error(self.ring.engine, h)).decode()
+                if not detail:
+                    detail = ffi.string(lib.rs_engine_last_error(self.ring.engine)).decode()
+                raise _STATUS_ERRORS.get(status, CommunicationError)(
+                    f"ringsync.{handle._what}{describe(name)} failed on rank "
+                    f"{self.ring.rank}: {detail}")
+
+    def raise_engine_error(self, status, what, name=None):
+        detail = ffi.string(lib.rs_engine_last_error(self.ring.engine)).decode()
+        raise _STATUS_ERRORS.get(status, CommunicationError)(
+            f"ringsync.{what}{describe(name)} failed on rank {self.ring.rank}: {detail}")
