@@ -1,8 +1,9 @@
 """Elastic recovery time: from a SIGKILLed rank to the survivors' next completed step.
 
-Runs the PyTorch elastic test body (tests/faults/elastic_bodies.py: TorchState,
-DistributedOptimizer, a kill while the victim's gradient reductions are in flight) on N
-ranks under `mpirun --with-ft ulfm`, with and without --respawn, a few times each:
+Runs the PyTorch elastic test body (torch_training in tests/faults/test_elastic.py:
+TorchState, DistributedOptimizer, a kill while the victim's gradient reductions are in
+flight) on N ranks under `mpirun --with-ft ulfm`, with and without --respawn, a few
+times each:
 
     python benchmarks/elastic_recovery.py            # from the repository root
     python benchmarks/elastic_recovery.py --np 4 --repeat 5
@@ -30,7 +31,7 @@ def one_run(np: int, respawn: bool):
     with tempfile.TemporaryDirectory(prefix="ringsync-recovery-") as folder:
         env = {"RINGSYNC_TEST_DIR": folder, "RINGSYNC_TEST_VICTIM": "1",
                "RINGSYNC_TEST_KILL_STEP": "6", "RINGSYNC_ELASTIC_RESPAWN": "1" if respawn else "0"}
-        result = run_mpi("tests.faults.elastic_bodies:torch_training", np=np, timeout=180,
+        result = run_mpi("tests.faults.test_elastic:torch_training", np=np, timeout=180,
                          env=env, mpirun_args=("--with-ft", "ulfm"))
         if result.returncode != 0 or result.timed_out:
             raise SystemExit(result.report())

@@ -1,14 +1,29 @@
 """Elastic recovery under Open MPI's ULFM: ranks SIGKILLed at chosen points, the
 survivors (and replacements) finish with identical state equal to a reference replay
-of the steps as they were finally run, and nothing of the job is left running."""
+of the steps as they were finally run, and nothing of the job is left running.
+
+These tests watch the job from outside (ranks killed on purpose, the job's output,
+processes left running), so each starts it with run_mpi; the rank code is the
+module-level function it passes (numpy_training, torch_training, sampler_coverage,
+keras_training), placed just before the tests that run it.
+
+Every process writes one JSON record to RINGSYNC_TEST_DIR when it finishes, so the test
+can compare the survivors with each other and with a reference. Faults are injected by
+the processes themselves (SIGKILL at a chosen step), chosen by original MPI rank. The
+`marker` argument only tags the command line, so that a test can look for leftovers.
+"""
 import glob
 import json
 import os
+import signal
+import time
 
+import numpy as np
 import pytest
 
+import ringsync as rs
+from ringsync import elastic
 from ringsync.testing import run_mpi
-from tests.faults import elastic_bodies as bodies
 
 pytestmark = pytest.mark.requires_mpirun
 
@@ -16,11 +31,11 @@ ULFM = ("--with-ft", "ulfm")
 TIMEOUT = 120
 
 
-def run_job(tmp_path, target, np, args=(), mpirun_args=ULFM, **env):
+def run_job(tmp_path, body, np, args=(), mpirun_args=ULFM, **env):
     marker = f"ringsync-elastic-{os.getpid()}-{tmp_path.name}"
     settings = {"RINGSYNC_TEST_DIR": str(tmp_path), "RINGSYNC_TIMEOUT_SECONDS": "60"}
     settings.update({name: str(value) for name, value in env.items()})
-    result = run_mpi(f"tests.faults.elastic_bodies:{target}", np=np, timeout=TIMEOUT,
+    result = run_mpi(body, np=np, timeout=TIMEOUT,
                      args=tuple(args) + (marker,), mpirun_args=mpirun_args, env=settings)
     assert not result.timed_out, result.report()
     assert not result.leftover_pids, f"processes left running: {result.leftover_pids}\n" + result.report()
@@ -42,30 +57,145 @@ def assert_numpy_run(result, records, expected_size, lost_at_or_before):
         assert r["w"] == pytest.approx(r["reference"], rel=1e-12, abs=1e-12), r
         assert r["restores"] == records[0]["restores"], "survivors restored different commits"
         sizes = r["sizes"]
-        assert len(sizes) == bodies.STEPS
+        assert len(sizes) == STEPS
         changed = sizes.index(expected_size)
         assert changed <= lost_at_or_before and set(sizes[changed:]) == {expected_size}, sizes
-    redone = max(r["steps_run"] for r in records) - bodies.STEPS
-    assert 0 <= redone <= bodies.COMMIT_EVERY, f"{redone} steps redone"
+    redone = max(r["steps_run"] for r in records) - STEPS
+    assert 0 <= redone <= COMMIT_EVERY, f"{redone} steps redone"
+
+
+# ---------------------------------------------------------- numpy, and what every body uses
+
+
+STEPS = 24
+COMMIT_EVERY = 4
+DIM = 5
+
+
+def original_rank() -> int:
+    """The rank this process started with ('spawned' for a replacement)."""
+    from mpi4py import MPI
+    if MPI.Comm.Get_parent() != MPI.COMM_NULL or os.environ.get("RINGSYNC_TEST_SPAWNED"):
+        os.environ["RINGSYNC_TEST_SPAWNED"] = "1"
+        return -1
+    return MPI.COMM_WORLD.Get_rank()
+
+
+def die(note: str) -> None:
+    """SIGKILL this process, after leaving the time for the test's recovery figure."""
+    with open(os.path.join(os.environ["RINGSYNC_TEST_DIR"], "killed-%d" % os.getpid()), "w") as f:
+        json.dump({"note": note, "time": time.time()}, f)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def write_record(record: dict) -> None:
+    folder = os.environ["RINGSYNC_TEST_DIR"]
+    path = os.path.join(folder, "result-%d.json" % os.getpid())
+    with open(path + ".partial", "w") as f:
+        json.dump(record, f)
+    os.replace(path + ".partial", path)
+
+
+def gradient(step: int, rank: int) -> np.ndarray:
+    """Differs by step, rank and position; exact in float64."""
+    return (rank + 1) * (step + 1) + np.arange(DIM, dtype=np.float64) * (rank - 2)
+
+
+def reference(sizes) -> np.ndarray:
+    """The parameters after applying step s averaged over sizes[s] ranks, for every s."""
+    w = np.zeros(DIM)
+    for step, size in enumerate(sizes):
+        w -= 0.01 * np.mean([gradient(step, r) for r in range(size)], axis=0)
+    return w
+
+
+class KillableState(elastic.ObjectState):
+    """ObjectState whose commit() can kill this rank halfway (after the snapshot)."""
+
+    kill_in_commit = None
+
+    def commit(self):
+        super().commit()
+        if self.kill_in_commit is not None and self.commit_id == self.kill_in_commit:
+            die("in commit %d" % self.commit_id)
+
+
+def numpy_training(scenario: str = "plain", marker: str = ""):
+    """SGD on a parameter vector whose gradient is allreduced every step.
+
+    Scenarios: victim = original rank killed at step KILL_STEP (mid-allreduce: it submits
+    its gradient first); 'commit' kills it inside commit(); 'second' also kills
+    RINGSYNC_TEST_SECOND during the recovery (in a reset callback); 'exception' makes the
+    victim raise instead of dying."""
+    me = original_rank()
+    rs.init()
+    victim = int(os.environ.get("RINGSYNC_TEST_VICTIM", "-9"))
+    second = int(os.environ.get("RINGSYNC_TEST_SECOND", "-9"))
+    kill_step = int(os.environ.get("RINGSYNC_TEST_KILL_STEP", "10"))
+    state = KillableState(step=0, w=np.zeros(DIM), sizes=[], restores=[])
+    if scenario == "commit" and me == victim:
+        state.kill_in_commit = kill_step // COMMIT_EVERY
+    steps_run = []
+    recovered_at = []
+
+    def on_reset():
+        state.restores.append(state.commit_id)
+        recovered_at.append(time.time())
+        if scenario == "second" and me == second:
+            die("during recovery")
+
+    state.register_reset_callbacks([on_reset])
+
+    @elastic.run
+    def train(state):
+        while state.step < STEPS:
+            if me == victim and state.step == kill_step and scenario != "commit":
+                if scenario == "exception":
+                    raise RuntimeError("a bug on rank %d" % me)
+                rs.allreduce_async(gradient(state.step, rs.rank()), name="g.%d" % state.step)
+                die("mid-allreduce at step %d" % state.step)
+            g = rs.allreduce(gradient(state.step, rs.rank()), op=rs.Average,
+                             name="g.%d" % state.step)
+            state.w = state.w - 0.01 * g
+            state.sizes = state.sizes + [rs.size()]
+            state.step += 1
+            steps_run.append((state.step, time.time()))
+            if state.step % COMMIT_EVERY == 0:
+                state.commit()
+
+    train(state)
+    write_record({"original_rank": me, "rank": rs.rank(), "size": rs.size(),
+                  "w": state.w.tolist(), "reference": reference(state.sizes).tolist(),
+                  "sizes": state.sizes, "restores": state.restores,
+                  "steps_run": len(steps_run),
+                  "first_step_after_recovery": _first_step_after(steps_run, recovered_at)})
+    rs.shutdown()
+
+
+def _first_step_after(steps_run, recovered_at):
+    if not recovered_at:
+        return None
+    after = [t for _, t in steps_run if t > recovered_at[0]]
+    return after[0] if after else None
 
 
 @pytest.mark.parametrize("np,victim", [(4, 2), (3, 0)])
 def test_a_killed_rank_leaves_the_survivors_training(np, victim, tmp_path):
-    result, records = run_job(tmp_path, "numpy_training", np, args=("plain",),
+    result, records = run_job(tmp_path, numpy_training, np, args=("plain",),
                               RINGSYNC_TEST_VICTIM=victim, RINGSYNC_TEST_KILL_STEP=10)
     assert_numpy_run(result, records, np - 1, lost_at_or_before=10)
     assert "ringsync.elastic: lost rank(s) [%d] of %d" % (victim, np) in result.output
 
 
 def test_a_rank_killed_inside_commit(tmp_path):
-    result, records = run_job(tmp_path, "numpy_training", 4, args=("commit",),
+    result, records = run_job(tmp_path, numpy_training, 4, args=("commit",),
                               RINGSYNC_TEST_VICTIM=1, RINGSYNC_TEST_KILL_STEP=12)
     assert_numpy_run(result, records, 3, lost_at_or_before=12)
     assert len(records[0]["restores"]) == 1
 
 
 def test_a_second_failure_during_recovery(tmp_path):
-    result, records = run_job(tmp_path, "numpy_training", 4, args=("second",),
+    result, records = run_job(tmp_path, numpy_training, 4, args=("second",),
                               RINGSYNC_TEST_VICTIM=1, RINGSYNC_TEST_SECOND=3,
                               RINGSYNC_TEST_KILL_STEP=9)
     assert_numpy_run(result, records, 2, lost_at_or_before=9)
@@ -73,14 +203,14 @@ def test_a_second_failure_during_recovery(tmp_path):
 
 
 def test_an_uncaught_exception_is_a_lost_rank(tmp_path):
-    result, records = run_job(tmp_path, "numpy_training", 3, args=("exception",),
+    result, records = run_job(tmp_path, numpy_training, 3, args=("exception",),
                               RINGSYNC_TEST_VICTIM=2, RINGSYNC_TEST_KILL_STEP=7)
     assert_numpy_run(result, records, 2, lost_at_or_before=7)
     assert "RuntimeError: a bug on rank 2" in result.outcomes[2], result.report()
 
 
 def test_below_min_np_the_job_ends_with_a_clear_message(tmp_path):
-    result, records = run_job(tmp_path, "numpy_training", 3, args=("plain",),
+    result, records = run_job(tmp_path, numpy_training, 3, args=("plain",),
                               RINGSYNC_TEST_VICTIM=1, RINGSYNC_ELASTIC_MIN_NP=3)
     assert result.returncode != 0, result.report()
     assert records == []
@@ -90,10 +220,10 @@ def test_below_min_np_the_job_ends_with_a_clear_message(tmp_path):
 def test_reset_limit_ends_the_job(tmp_path):
     (tmp_path / "none").mkdir()
     (tmp_path / "one").mkdir()
-    result, records = run_job(tmp_path / "none", "numpy_training", 3, args=("plain",),
+    result, records = run_job(tmp_path / "none", numpy_training, 3, args=("plain",),
                               RINGSYNC_TEST_VICTIM=1, RINGSYNC_ELASTIC_RESET_LIMIT=0)
     assert result.returncode == 0 and len(records) == 2, result.report()  # 0: no limit
-    result, records = run_job(tmp_path / "one", "numpy_training", 3, args=("second",),
+    result, records = run_job(tmp_path / "one", numpy_training, 3, args=("second",),
                               RINGSYNC_TEST_VICTIM=1, RINGSYNC_TEST_SECOND=2,
                               RINGSYNC_ELASTIC_RESET_LIMIT=1)
     assert result.returncode != 0 and records == [], result.report()
@@ -101,26 +231,115 @@ def test_reset_limit_ends_the_job(tmp_path):
 
 
 def test_without_ulfm_a_lost_rank_ends_the_job(tmp_path):
-    result, records = run_job(tmp_path, "numpy_training", 3, args=("plain",), mpirun_args=(),
+    result, records = run_job(tmp_path, numpy_training, 3, args=("plain",), mpirun_args=(),
                               RINGSYNC_TEST_VICTIM=1)
     assert result.returncode != 0, result.report()
     assert records == []
 
 
+# --------------------------------------------------------------------------- PyTorch
+
+
+TORCH_STEPS = 16
+TORCH_BATCH = 6
+TORCH_ROWS = 512
+
+
+def _torch_data():
+    import torch
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(TORCH_ROWS, 6, generator=g, dtype=torch.float64)
+    y = (x[:, :3].sum(1) > 0).long() + (x[:, 3] > 1).long()
+    return x, y
+
+
+def _torch_model(seed: int):
+    import torch
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(),
+                               torch.nn.Linear(8, 3)).double()
+
+
+def _rows(step: int, size: int, rank: int):
+    """The rows rank `rank` of `size` trains on at `step`; all ranks' rows together are
+    the global batch the reference trains on."""
+    start = (step * 37) % TORCH_ROWS
+    rows = [(start + i) % TORCH_ROWS for i in range(TORCH_BATCH * size)]
+    return rows[rank * TORCH_BATCH:(rank + 1) * TORCH_BATCH]
+
+
+def _torch_reference(sizes):
+    """One process replaying the global batches of the steps as they were finally run."""
+    import torch
+    x, y = _torch_data()
+    model = _torch_model(100)  # rank 0's initial parameters, which sync() gives everyone
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step, size in enumerate(sizes):
+        rows = sum((_rows(step, size, r) for r in range(size)), [])
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
+        opt.step()
+    return [p.detach().reshape(-1).tolist() for p in model.parameters()]
+
+
+def torch_training(marker: str = ""):
+    """TorchState + DistributedOptimizer: victim killed mid-allreduce (its gradient
+    reductions already started), RINGSYNC_ELASTIC_RESPAWN decides about replacements."""
+    import torch
+    import ringsync.torch as hvd
+    me = original_rank()
+    hvd.init()
+    victim = int(os.environ.get("RINGSYNC_TEST_VICTIM", "-9"))
+    kill_step = int(os.environ.get("RINGSYNC_TEST_KILL_STEP", "6"))
+    x, y = _torch_data()
+    model = _torch_model(100 + max(me, 0) if me >= 0 else 999)  # differs until sync()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    state = hvd.elastic.TorchState(model, opt, step=0, sizes=[])
+    steps_run, recovered_at = [], []
+    state.register_reset_callbacks([lambda: recovered_at.append(time.time())])
+
+    @hvd.elastic.run
+    def train(state):
+        while state.step < TORCH_STEPS:
+            rows = _rows(state.step, hvd.size(), hvd.rank())
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
+            if me == victim and state.step == kill_step:
+                die("mid-allreduce at step %d" % state.step)  # reductions are in flight
+            opt.step()
+            state.sizes = state.sizes + [hvd.size()]
+            state.step += 1
+            steps_run.append(time.time())
+            if state.step % COMMIT_EVERY == 0:
+                state.commit()
+
+    train(state)
+    params = [p.detach().reshape(-1).tolist() for p in model.parameters()]
+    reference = _torch_reference(state.sizes)
+    error = max(abs(a - b) for pa, pb in zip(params, reference) for a, b in zip(pa, pb))
+    write_record({"original_rank": me, "rank": hvd.rank(), "size": hvd.size(),
+                  "params": params, "error": error, "sizes": state.sizes,
+                  "steps_run": len(steps_run), "recovered_at": recovered_at,
+                  "first_step_after_recovery": _first_step_after(
+                      [(0, t) for t in steps_run], recovered_at)})
+    hvd.shutdown()
+
+
 def test_torch_state_after_a_kill_mid_allreduce(tmp_path):
-    result, records = run_job(tmp_path, "torch_training", 4, RINGSYNC_TEST_VICTIM=2,
+    result, records = run_job(tmp_path, torch_training, 4, RINGSYNC_TEST_VICTIM=2,
                               RINGSYNC_TEST_KILL_STEP=6)
     assert_survivors_agree(result, records, 3)
     for r in records:
         assert r["params"] == records[0]["params"], "parameters differ between survivors"
         assert r["error"] < 1e-10, r["error"]  # against one process replaying the steps
         assert r["sizes"][:4] == [4] * 4 and set(r["sizes"][4:]) == {3}, r["sizes"]
-    redone = records[0]["steps_run"] - bodies.TORCH_STEPS
-    assert 0 < redone <= bodies.COMMIT_EVERY
+    redone = records[0]["steps_run"] - TORCH_STEPS
+    assert 0 < redone <= COMMIT_EVERY
 
 
 def test_respawn_returns_the_job_to_its_size(tmp_path):
-    result, records = run_job(tmp_path, "torch_training", 4, RINGSYNC_TEST_VICTIM=1,
+    result, records = run_job(tmp_path, torch_training, 4, RINGSYNC_TEST_VICTIM=1,
                               RINGSYNC_TEST_KILL_STEP=6, RINGSYNC_ELASTIC_RESPAWN=1)
     assert_survivors_agree(result, records, 4)
     assert sorted(r["original_rank"] for r in records) == [-1, 0, 2, 3]
@@ -131,8 +350,42 @@ def test_respawn_returns_the_job_to_its_size(tmp_path):
     assert "3 survivors + 1 replacement(s) = 4 ranks" in result.output
 
 
+def sampler_coverage(marker: str = ""):
+    """One epoch of 103 samples through an ElasticSampler, 4 per batch and rank; the
+    victim dies mid-epoch. Each step sums a per-sample count over ranks into the state;
+    in the end every sample has been counted (rolled-back steps do not count), and only
+    the padding that keeps ranks in step counts twice."""
+    import torch
+    import ringsync.torch as hvd
+    me = original_rank()
+    hvd.init()
+    victim = int(os.environ.get("RINGSYNC_TEST_VICTIM", "-9"))
+    n, batch = 103, 4
+    sampler = hvd.elastic.ElasticSampler(list(range(n)), shuffle=True, seed=3)
+    state = hvd.elastic.TorchState(sampler=sampler, counts=np.zeros(n), steps=0)
+
+    @hvd.elastic.run
+    def train(state):
+        loader = torch.utils.data.DataLoader(list(range(n)), batch_size=batch, sampler=state.sampler)
+        for batch_idx, indices in enumerate(loader):
+            if me == victim and state.steps == 5:
+                die("mid-epoch")
+            mine = np.zeros(n)
+            np.add.at(mine, indices.numpy(), 1)
+            state.counts = state.counts + rs.allreduce(mine, op=rs.Sum, name="counts")
+            state.sampler.record_batch(batch_idx, batch)
+            state.steps += 1
+            if state.steps % 3 == 0:
+                state.commit()
+
+    train(state)
+    write_record({"original_rank": me, "rank": hvd.rank(), "size": hvd.size(),
+                  "counts": state.counts.tolist(), "steps": state.steps})
+    hvd.shutdown()
+
+
 def test_elastic_sampler_covers_the_epoch_after_a_kill(tmp_path):
-    result, records = run_job(tmp_path, "sampler_coverage", 4, RINGSYNC_TEST_VICTIM=2)
+    result, records = run_job(tmp_path, sampler_coverage, 4, RINGSYNC_TEST_VICTIM=2)
     assert_survivors_agree(result, records, 3)
     counts = records[0]["counts"]
     assert all(r["counts"] == counts for r in records)
@@ -141,14 +394,86 @@ def test_elastic_sampler_covers_the_epoch_after_a_kill(tmp_path):
     assert sum(counts) - len(counts) <= 2 * 3, counts
 
 
+# --------------------------------------------------------------------------- TensorFlow
+
+
+def _keras_model(seed: int):
+    import keras
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                             keras.layers.Dense(3)])
+
+
+def _keras_step(model, optimizer, x, y, tape_wrapper=None):
+    import keras
+    import tensorflow as tf
+    with tf.GradientTape() as tape:
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, model(x))
+    tape = tape_wrapper(tape) if tape_wrapper else tape
+    grads = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply(grads, model.trainable_variables)
+
+
+def _keras_reference(sizes):
+    import keras
+    x, y = (t.numpy().astype("float32") for t in _torch_data())
+    model = _keras_model(100)
+    optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+    for step, size in enumerate(sizes):
+        rows = sum((_rows(step, size, r) for r in range(size)), [])
+        _keras_step(model, optimizer, x[rows], y[rows].astype("int64"))
+    return [v.numpy().reshape(-1).tolist() for v in model.trainable_variables]
+
+
+def keras_training(marker: str = ""):
+    """TensorFlowKerasState + DistributedGradientTape; the victim dies mid-step."""
+    import keras
+    import ringsync.tensorflow as hvd
+    me = original_rank()
+    hvd.init()
+    victim = int(os.environ.get("RINGSYNC_TEST_VICTIM", "-9"))
+    kill_step = int(os.environ.get("RINGSYNC_TEST_KILL_STEP", "6"))
+    x, y = (t.numpy().astype("float32") for t in _torch_data())
+    model = _keras_model(100 + me if me >= 0 else 999)  # differs until sync()
+    optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+    state = hvd.elastic.TensorFlowKerasState(model, optimizer, step=0, sizes=[])
+    steps_run = []
+
+    @hvd.elastic.run
+    def train(state):
+        while state.step < TORCH_STEPS:
+            if me == victim and state.step == kill_step:
+                die("at step %d" % state.step)
+            rows = _rows(state.step, hvd.size(), hvd.rank())
+            _keras_step(model, optimizer, x[rows], y[rows].astype("int64"),
+                        hvd.DistributedGradientTape)
+            state.sizes = state.sizes + [hvd.size()]
+            state.step += 1
+            steps_run.append(time.time())
+            if state.step % COMMIT_EVERY == 0:
+                state.commit()
+
+    train(state)
+    params = [v.numpy().reshape(-1).tolist() for v in model.trainable_variables]
+    reference = _keras_reference(state.sizes)
+    error = max(abs(a - b) for pa, pb in zip(params, reference) for a, b in zip(pa, pb))
+    write_record({"original_rank": me, "rank": hvd.rank(), "size": hvd.size(),
+                  "params": params, "error": error, "sizes": state.sizes,
+                  "steps_run": len(steps_run)})
+    hvd.shutdown()
+
+
 def test_keras_state_after_a_kill(tmp_path):
-    result, records = run_job(tmp_path, "keras_training", 3, RINGSYNC_TEST_VICTIM=1,
+    result, records = run_job(tmp_path, keras_training, 3, RINGSYNC_TEST_VICTIM=1,
                               RINGSYNC_TEST_KILL_STEP=6)
     assert_survivors_agree(result, records, 2)
     for r in records:
         assert r["params"] == records[0]["params"], "weights differ between survivors"
         assert r["error"] < 1e-5, r["error"]  # float32, against one process replaying
         assert r["sizes"][:4] == [3] * 4 and set(r["sizes"][4:]) == {2}, r["sizes"]
+
+
+# --------------------------------------------------------------------------- the example
 
 
 def test_elastic_torch_example_survives_a_kill():

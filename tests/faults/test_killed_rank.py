@@ -1,6 +1,7 @@
 """A rank SIGKILLed in the middle of allreduces: under ULFM (which keeps the survivors
 running) every survivor raises CommunicationError naming the lost rank, long before the
-timeout, and nothing of the job is left running. A rank that is merely slow times out.
+timeout, its pending asynchronous handles fail the same way, and nothing of the job is
+left running. A rank that is merely slow times out.
 
 These tests watch the job from outside (which ranks survived, what is left running), so
 they start it with run_mpi and look at the result; the rank code is the function they
@@ -90,6 +91,58 @@ def test_plain_mpirun_ends_the_job_when_a_rank_is_killed(tmp_path):
                      args=(marker, tmp_path, 1), env=NO_TIMEOUT)
     assert not result.timed_out, result.report()
     assert result.returncode != 0, result.report()
+    leftover = processes_matching(marker)
+    assert not leftover.strip(), f"processes left running: {leftover}"
+
+
+def killed_peer_fails_pending_handles(marker=""):
+    """Rank `victim` dies while every rank has asynchronous allreduces outstanding: each
+    survivor's pending handles, and any later one, fail promptly naming the lost rank."""
+    victim = int(os.environ.get("RINGSYNC_TEST_VICTIM", "1"))
+    folder = os.environ["RINGSYNC_TEST_DIR"]
+    rs.init()
+    for step in range(5):
+        rs.allreduce(np.ones(1000), name=f"warm{step}")
+    if rs.rank() == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    failures = 0
+    handles = []
+    for i in range(20):  # submitting fails too once the engine has noticed
+        try:
+            handles.append(rs.allreduce_async(np.ones(50_000), name=f"pending{i}"))
+        except rs.CommunicationError as e:
+            assert f"rank {victim} (host" in str(e), str(e)
+            failures += 1
+    for h in handles:
+        try:
+            rs.synchronize(h)
+        except rs.CommunicationError as e:
+            assert f"rank {victim} (host" in str(e), str(e)
+            failures += 1
+    assert failures > 0, "every pending handle succeeded without the victim"
+    try:
+        rs.allreduce(np.ones(3), name="later")
+    except rs.CommunicationError:
+        pass
+    else:
+        raise AssertionError("a later handle succeeded after the peer died")
+    with open(os.path.join(folder, f"survivor-{rs.rank()}"), "w") as f:
+        f.write("ok")
+    rs.shutdown()
+    os._exit(0)  # skip MPI_Finalize, which would wait for the dead rank
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_killed_rank_fails_pending_handles(victim, tmp_path):
+    marker = f"ringsync-engine-kill-{os.getpid()}-{victim}"
+    result = run_mpi(killed_peer_fails_pending_handles, np=3, timeout=90,
+                     args=(marker,), mpirun_args=("--with-ft", "ulfm"),
+                     env={"RINGSYNC_TEST_DIR": str(tmp_path), "RINGSYNC_TEST_VICTIM": str(victim),
+                          # Far beyond the deadline: only failure detection can pass.
+                          "RINGSYNC_TIMEOUT_SECONDS": "600"})
+    assert not result.timed_out, result.report()
+    survivors = sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("survivor-*"))
+    assert survivors == [r for r in range(3) if r != victim], result.report()
     leftover = processes_matching(marker)
     assert not leftover.strip(), f"processes left running: {leftover}"
 

@@ -6,19 +6,30 @@ a healthy rank; each is dropped and logged. Impostors that know the public job i
 the job's secret greet rank 0 as ranks that have not connected yet: they must be refused
 and the real ranks connected. Every job checks an allreduce against the exact sum.
 
-The one-process tests of the handshake itself (replay, reflection, wrong secret, rogue
-listener) are in tests/unit/test_auth.py."""
+The tests read what the ranks logged from the job's output, so each starts the job with
+run_mpi; the rank code is the module-level function it passes, placed before it. The
+rogues themselves (and their wire format) are in tests/faults/rogue_clients.py, shared
+with the one-process tests of the handshake itself (replay, reflection, wrong secret,
+rogue listener) in tests/unit/test_auth.py."""
+import os
 import re
+import time
 
+import numpy as np
 import pytest
 
+import ringsync as rs
+from ringsync import bootstrap
 from ringsync.testing import assert_mpi_ok
+
+from .rogue_clients import HELLO, PROOF_BYTES, Impostor, client, hello
 
 pytestmark = pytest.mark.requires_mpirun
 
+INIT_LIMIT_S = 15.0  # init() must finish well before RINGSYNC_START_TIMEOUT_SECONDS
 SETTINGS = {
-    # Far above the bound the bodies check (rogue_bodies.INIT_LIMIT_S): a setup that
-    # waits on a rogue until this timeout fails the test.
+    # Far above the bound the bodies check (INIT_LIMIT_S): a setup that waits on a rogue
+    # until this timeout fails the test.
     "RINGSYNC_START_TIMEOUT_SECONDS": "30",
     "RINGSYNC_TIMEOUT_SECONDS": "30",
 }
@@ -30,9 +41,64 @@ def dropped(output, rank):
                       output)
 
 
+# --------------------------------------------------------------------------- rank side
+
+def _world():
+    from mpi4py import MPI
+    return MPI.COMM_WORLD
+
+
+def _when_ports_known(callback):
+    """Call callback(addresses, ports) on this rank during init(), once every rank listens
+    and before any rank dials: init() passes the listeners to connect_addresses before
+    rank 0 broadcasts the job's keys, which every rank needs to dial. The barrier makes
+    every rank's rogues arrive before any real peer."""
+    original = bootstrap.connect_addresses
+
+    def hooked(peers, *args, **kwargs):
+        callback([p.address for p in peers], [p.port for p in peers])
+        _world().Barrier()
+        bootstrap.connect_addresses = original
+        return original(peers, *args, **kwargs)
+    bootstrap.connect_addresses = hooked
+
+
+def _init_and_check(what):
+    t0 = time.monotonic()
+    rs.init()
+    took = time.monotonic() - t0
+    assert took < INIT_LIMIT_S, f"rank {rs.rank()}: init() took {took:.1f} s ({what})"
+    data = np.arange(1000, dtype=np.float64) * (rs.rank() + 1)
+    got = rs.allreduce(data, op=rs.Sum, name="after rogues")
+    expected = np.arange(1000, dtype=np.float64) * sum(range(1, rs.size() + 1))
+    np.testing.assert_array_equal(got, expected, err_msg=f"rank {rs.rank()}: {what}")
+
+
+def rogue_clients_do_not_stall_init():
+    """Port scanners and garbage at every rank's listener before the real peers: init()
+    finishes promptly, the ring is right, and the rogues are dropped and logged."""
+    rogues = []
+
+    def connect_rogues(addresses, ports):
+        me = _world().rank
+        target = (addresses[me], ports[me])
+        rogues.extend(client(*target) for _ in range(3))  # connect, then silence
+        rogues.append(client(*target, hello(me + 1, me)[:20]))  # half a greeting
+        rogues.append(client(*target, os.urandom(HELLO.size)))  # garbage
+        rogues.append(client(*target, hello(me + 1, me, job_id=12345)))  # a guessed job id
+        client(*target).close()  # a scanner that connects and leaves
+    _when_ports_known(connect_rogues)
+    try:
+        _init_and_check("rogue clients at every listener")
+    finally:
+        for s in rogues:
+            s.close()
+    rs.shutdown()
+
+
 @pytest.mark.parametrize("np,transport", [(3, "auto"), (2, "tcp")])
 def test_rogue_clients_neither_stall_nor_fail_init(np, transport):
-    result = assert_mpi_ok("tests.faults.rogue_bodies:rogue_clients_do_not_stall_init", np=np,
+    result = assert_mpi_ok(rogue_clients_do_not_stall_init, np=np,
                            timeout=JOB_TIMEOUT_S,
                            env={**SETTINGS, "RINGSYNC_TRANSPORT": transport})
     # Every rank but the highest accepts, so reads (and drops) its rogues.
@@ -44,10 +110,40 @@ def test_rogue_clients_neither_stall_nor_fail_init(np, transport):
     assert "timed out" not in result.output, result.report()
 
 
+def impostors_with_the_job_id_are_rejected():
+    """Two impostors that know the public job id greet rank 0 first, one as rank 2 with a
+    guessed proof, one as rank 1 answering with rank 0's own MAC (a reflection): both get
+    a challenge, neither is taken for a rank; the real ranks connect and the ring works."""
+    listeners = {}
+    impostors = []
+    _when_ports_known(lambda addresses, ports: listeners.update(address=addresses[0],
+                                                                  port=ports[0]))
+    if _world().rank == 0:
+        original_new = bootstrap.JobKeys.new
+
+        def new(cls):
+            keys = original_new()
+            # Before the broadcast of the keys: no real peer can have dialled yet.
+            target = (listeners["address"], listeners["port"])
+            impostors.append(Impostor(*target, hello(2, 0, keys.job_id),
+                                      lambda challenge: os.urandom(PROOF_BYTES)))
+            impostors.append(Impostor(*target, hello(1, 0, keys.job_id),
+                                      lambda challenge: challenge[16:]))
+            return keys
+        bootstrap.JobKeys.new = classmethod(new)
+    try:
+        _init_and_check("impostors at rank 0")
+    finally:
+        if _world().rank == 0:
+            bootstrap.JobKeys.new = original_new
+    for impostor in impostors:
+        assert impostor.result() is False, "an impostor's connection was kept"
+    rs.shutdown()
+
+
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
 def test_impostors_without_the_secret_are_refused(transport):
-    result = assert_mpi_ok("tests.faults.rogue_bodies:impostors_with_the_job_id_are_rejected",
-                           np=3, timeout=JOB_TIMEOUT_S,
+    result = assert_mpi_ok(impostors_with_the_job_id_are_rejected, np=3, timeout=JOB_TIMEOUT_S,
                            env={**SETTINGS, "RINGSYNC_TRANSPORT": transport})
     reasons = dropped(result.output, 0)
     for rank in (1, 2):

@@ -8,14 +8,22 @@ message that says why. Segments of dead jobs found in /dev/shm are removed by th
 job; nothing of a job itself is left. Results are checked against numpy references.
 
 Needs root (mount) and unshare; skipped otherwise.
+
+The tests run mpirun inside a private mount namespace and look at the job's output and at
+/dev/shm afterwards, so each starts the job with run_mpi; the rank code is the
+module-level functions below (collectives_over, forced_shm_fails, split_hosts).
 """
 import os
 import shutil
 import subprocess
 
+import numpy as np
 import pytest
 
+import ringsync as rs
 import ringsync.testing as testing
+
+from ..mpi.reference import assert_reduced, rank_input
 
 pytestmark = pytest.mark.requires_mpirun
 
@@ -82,13 +90,83 @@ def dead_pid():
     return child.pid
 
 
+# --------------------------------------------------------------------------- rank side
+# Results are checked against numpy references built from every rank's input.
+
+# Through the lane (one round), beyond it (staged or ring), and past a 2 MiB ring.
+SIZES = [1, 1009, 100_003, (1 << 20) + 7]
+
+
+def _inputs(shape, dtype, op, salt):
+    return [rank_input(r, shape, dtype, op, salt) for r in range(rs.size())]
+
+
+def _check_collectives():
+    for n in SIZES:
+        for dtype, op in [("float32", "Sum"), ("int64", "Max"), ("float64", "Average")]:
+            inputs = _inputs((n,), dtype, op, "shm-limits")
+            what = f"allreduce {op} {dtype} n={n} on {rs.size()} ranks"
+            assert_reduced(rs.allreduce(inputs[rs.rank()], op=getattr(rs, op), name=what),
+                           inputs, op, what=what)
+        rows = [(r * 7 + n) % 11 for r in range(rs.size())]
+        parts = [rank_input(r, (rows[r], 3), "float64", salt=f"ag{n}") for r in range(rs.size())]
+        got = rs.allgather(parts[rs.rank()])
+        assert np.array_equal(got, np.concatenate(parts)), f"allgather rows {rows}"
+    # More than a 2 MiB ring from each rank: every page of the rings gets touched.
+    big = _inputs((600_001,), "float64", "Sum", "big")
+    assert np.array_equal(rs.allgather(big[rs.rank()]), np.concatenate(big)), "big allgather"
+
+
+def collectives_over(transport):
+    """init() picks `transport` ("shm" or "tcp"); every collective still gives the
+    reference results."""
+    rs.init()
+    _check_collectives()  # first: where pages cannot be had, this is where SIGBUS would strike
+    assert rs._default.transport == transport, (rs._default.transport, transport)
+    rs.shutdown()
+
+
+def forced_shm_fails():
+    """RINGSYNC_TRANSPORT=shm where the segments do not fit: init() fails on every rank
+    with a message that says why and how to avoid it (no SIGBUS, no hang)."""
+    try:
+        rs.init()
+    except rs.RingsyncError as e:
+        text = str(e)
+        for part in ("RINGSYNC_TRANSPORT=shm, but shared memory", "/dev/shm:", "MiB free",
+                     "RINGSYNC_TRANSPORT=tcp avoids it", "cannot reserve"):
+            assert part in text, f"{part!r} not in {text!r}"
+        print(f"init failed as expected: {text}", flush=True)
+    else:
+        raise AssertionError(f"init() succeeded over {rs._default.transport} without room in /dev/shm")
+    assert not rs.is_initialized()
+
+
+def split_hosts(first_host_ranks):
+    """Ranks below `first_host_ranks` report host "node-a", the others "node-b" (all on
+    this machine, sharing its /dev/shm): same-"host" ranks must get shared memory."""
+    import os
+
+    from mpi4py import MPI
+    k = int(first_host_ranks)
+    os.environ["RINGSYNC_HOST_NAME"] = "node-a" if MPI.COMM_WORLD.rank < k else "node-b"
+    rs.init()
+    local = k if MPI.COMM_WORLD.rank < k else MPI.COMM_WORLD.size - k
+    assert rs.local_size() == local, (rs.local_size(), local)
+    _check_collectives()
+    expected = "shm" if local > 1 else "tcp"
+    assert rs._default.transport == expected, (rs._default.transport, expected)
+    rs.shutdown()
+
+
+# --------------------------------------------------------------------------- tests
+
 # Segments: 3.0 MiB each for 2 ranks, 5.0 for 3. In 1 MiB none fits (before reserving,
 # ranks died of SIGBUS there); in the others one fits (the first rank to reserve gets
 # it), the others' do not: the ranks that had room must follow the ones that had none.
 @pytest.mark.parametrize("np,size", [(2, "1m"), (2, "4m"), (3, "8m")])
 def test_auto_falls_back_to_tcp_on_every_rank(np, size, private_shm, tmp_path):
-    result, after = run_in_tiny_shm(tmp_path, size,
-                                    "tests.faults.shm_bodies:collectives_over", np, args=("tcp",))
+    result, after = run_in_tiny_shm(tmp_path, size, collectives_over, np, args=("tcp",))
     assert result.ok, result.report()
     warnings = [line for line in result.output.splitlines()
                 if "shared memory unavailable" in line and "using TCP with same-host peers" in line]
@@ -98,8 +176,7 @@ def test_auto_falls_back_to_tcp_on_every_rank(np, size, private_shm, tmp_path):
 
 
 def test_required_shm_fails_init_on_every_rank(private_shm, tmp_path):
-    result, after = run_in_tiny_shm(tmp_path, "1m",
-                                    "tests.faults.shm_bodies:forced_shm_fails", 2,
+    result, after = run_in_tiny_shm(tmp_path, "1m", forced_shm_fails, 2,
                                     env={"RINGSYNC_TRANSPORT": "shm"})
     assert result.ok, result.report()  # each rank checked its own error message
     assert result.output.count("init failed as expected") == 2, result.report()
@@ -110,8 +187,7 @@ def test_segments_are_sized_by_local_ranks(private_shm, tmp_path):
     """Ranks 0-1 on "node-a", rank 2 on "node-b", all on this machine: node-a's two
     segments hold one ring each (6.0 MiB together) and fit in 9 MiB, where rings for every
     rank of the world (14 MiB) would not."""
-    result, after = run_in_tiny_shm(tmp_path, "9m",
-                                    "tests.faults.shm_bodies:split_hosts", 3, args=("2",))
+    result, after = run_in_tiny_shm(tmp_path, "9m", split_hosts, 3, args=("2",))
     assert result.ok, result.report()
     assert "shared memory unavailable" not in result.output, result.report()
     assert ringsync_segments(after) == [], after
@@ -124,8 +200,7 @@ def test_orphans_of_dead_creators_are_removed(private_shm, tmp_path):
             f"ringsync-{JOB_ID}-2",  # not a name of ours (an older version's)
             "ringsync-notes"]
     locked = f"ringsync-{JOB_ID}-3-{dead}"  # locked: alive in another pid namespace
-    result, after = run_in_tiny_shm(tmp_path, "16m",
-                                    "tests.faults.shm_bodies:collectives_over", 2,
+    result, after = run_in_tiny_shm(tmp_path, "16m", collectives_over, 2,
                                     args=("shm",), place=[orphan] + kept, locked=locked)
     assert result.ok, result.report()
     assert orphan not in after, after

@@ -215,40 +215,6 @@ def never_submitted_times_out_everywhere():
     rs.shutdown()
 
 
-def killed_peer_fails_pending_handles(marker=""):
-    """Rank `victim` dies while every rank has asynchronous allreduces outstanding: each
-    survivor's pending handles, and any later one, fail promptly naming the lost rank."""
-    import signal
-    victim = int(os.environ.get("RINGSYNC_TEST_VICTIM", "1"))
-    folder = os.environ["RINGSYNC_TEST_DIR"]
-    rs.init()
-    for step in range(5):
-        rs.allreduce(np.ones(1000), name=f"warm{step}")
-    if rs.rank() == victim:
-        os.kill(os.getpid(), signal.SIGKILL)
-    failures = 0
-    handles = []
-    for i in range(20):  # submitting fails too once the engine has noticed
-        try:
-            handles.append(rs.allreduce_async(np.ones(50_000), name=f"pending{i}"))
-        except rs.CommunicationError as e:
-            assert f"rank {victim} (host" in str(e), str(e)
-            failures += 1
-    for h in handles:
-        try:
-            rs.synchronize(h)
-        except rs.CommunicationError as e:
-            assert f"rank {victim} (host" in str(e), str(e)
-            failures += 1
-    assert failures > 0, "every pending handle succeeded without the victim"
-    _expect_communication_error(lambda: rs.allreduce(np.ones(3), name="later"),
-                                "a later handle succeeded after the peer died")
-    with open(os.path.join(folder, f"survivor-{rs.rank()}"), "w") as f:
-        f.write("ok")
-    rs.shutdown()
-    os._exit(0)  # skip MPI_Finalize, which would wait for the dead rank
-
-
 def restart_with_a_new_rank_set():
     """Shut the engine down and start it again in the same process, over the world and
     then over half of it (what elastic recovery does after a rank is lost)."""

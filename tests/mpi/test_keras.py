@@ -1,4 +1,6 @@
-"""Keras 3: model.fit with DistributedOptimizer, callbacks, saving, under several ranks."""
+"""Keras 3: model.fit with DistributedOptimizer, callbacks, saving, under several ranks.
+
+The rank code is in tests/mpi/keras_bodies.py (BODY below)."""
 import pytest
 
 pytest.importorskip("tensorflow")

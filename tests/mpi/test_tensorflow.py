@@ -1,4 +1,9 @@
-"""The TensorFlow adapter, and jobs mixing frameworks, under several ranks."""
+"""The TensorFlow adapter, and jobs mixing frameworks, under several ranks.
+
+The rank code is in tests/mpi/tf_bodies.py (MODULE below) and, for the mixed job,
+tests/mpi/mixed_bodies.py, not in this file: importing TensorFlow takes seconds, so the
+tests run several bodies one after another in one mpirun job through
+tests/mpi/in_order.py."""
 import pytest
 
 pytest.importorskip("tensorflow")

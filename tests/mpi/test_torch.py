@@ -1,4 +1,8 @@
-"""The PyTorch adapter under several ranks."""
+"""The PyTorch adapter under several ranks.
+
+The rank code is in tests/mpi/torch_bodies.py (MODULE below), not in this file: importing
+torch takes seconds, so the tests run several bodies one after another in one mpirun job
+through tests/mpi/in_order.py."""
 import os
 
 import pytest

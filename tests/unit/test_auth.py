@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from ringsync._native import ffi, lib
-from tests.faults import rogue_bodies as wire
+from tests.faults import rogue_clients as wire
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SOURCE = os.path.join(ROOT, "native", "src", "auth.c")
@@ -140,7 +140,7 @@ def test_known_vectors(driver):
 # --------------------------------------------------------------------------- the handshake
 # Two or three communicators in this one process (each connecting on its own thread; the
 # native calls release the GIL), with rogue clients and listeners that speak the wire
-# format of native/src/transport_tcp.c (tests/faults/rogue_bodies.py).
+# format of native/src/transport_tcp.c (tests/faults/rogue_clients.py).
 
 HELLO, MAGIC, VERSION = wire.HELLO, wire.MAGIC, wire.VERSION
 CHALLENGE_BYTES, recv_exact = wire.CHALLENGE_BYTES, wire.recv_exact

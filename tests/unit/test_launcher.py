@@ -1,4 +1,8 @@
-"""The ringsync command: mpirun command building, running ranks, signals, doctor."""
+"""The ringsync command, in one process: mpirun command building (with a pretend MPI),
+signals passed on to a stand-in for mpirun, doctor without the native core.
+
+Tests that start real jobs through the command are in tests/mpi/test_launcher.py;
+signals to a running job's launcher in tests/faults/test_launcher_signals.py."""
 
 import os
 import shlex
@@ -7,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 
 import pytest
 
@@ -138,51 +141,6 @@ def test_verbose_prints_command_and_settings(fake_mpi, capsys, monkeypatch):
     assert "RINGSYNC_TIMEOUT_SECONDS=30" in err
 
 
-def run_cli(*argv, **kwargs):
-    env = dict(os.environ, PYTHONPATH=PACKAGE_ROOT, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "ringsync.launcher", *argv],
-                          capture_output=True, text=True, env=env, timeout=120, **kwargs)
-
-
-@pytest.mark.requires_mpirun
-def test_run_starts_every_rank(tmp_path):
-    script = tmp_path / "show_rank.py"
-    script.write_text("from mpi4py import MPI\nprint('hello from rank', MPI.COMM_WORLD.Get_rank())\n")
-    finished = run_cli("run", "-np", "2", str(script))
-    assert finished.returncode == 0, finished.stderr
-    assert "hello from rank 0" in finished.stdout
-    assert "hello from rank 1" in finished.stdout
-
-
-@pytest.mark.requires_mpirun
-def test_run_returns_the_program_exit_status(tmp_path):
-    script = tmp_path / "fail.py"
-    script.write_text("import sys\nsys.exit(3)\n")
-    assert run_cli("run", "-np", "1", str(script)).returncode == 3
-
-
-@pytest.mark.requires_mpirun
-def test_sigint_reaches_the_ranks(tmp_path):
-    marker = "ringsync-sigint-" + uuid.uuid4().hex
-    script = tmp_path / "sleeper.py"
-    script.write_text("import time\nprint('ready', flush=True)\ntime.sleep(3600)\n")
-    env = dict(os.environ, PYTHONPATH=PACKAGE_ROOT, PYTHONUNBUFFERED="1")
-    job = subprocess.Popen(
-        [sys.executable, "-m", "ringsync.launcher", "run", "-np", "2", str(script), marker],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        assert job.stdout.readline().strip() == "ready"
-        job.send_signal(signal.SIGINT)
-        job.wait(timeout=60)
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
-    assert job.returncode != 0
-    leftovers = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True)
-    assert leftovers.stdout.split() == []
-
-
 # Stands in for mpirun: exits with the number of the signal it gets, once it has said
 # (by creating the file named by its argument) that its handlers are in place.
 REPORTS_ITS_SIGNAL = (
@@ -227,14 +185,6 @@ def test_mpirun_gets_sigterm_when_the_launcher_dies():
     code = ("import ctypes, sys; death = ctypes.c_int(); "
             "ctypes.CDLL(None).prctl(2, ctypes.byref(death)); sys.exit(death.value)")
     assert launcher.run_forwarding_signals([sys.executable, "-c", code]) == signal.SIGTERM
-
-
-@pytest.mark.requires_mpirun
-def test_doctor_reports_mpi_and_ulfm():
-    finished = run_cli("doctor")
-    assert finished.returncode == 0, finished.stderr
-    for word in ("ringsync", "native core", "mpi4py", "ULFM", "MPI library", "torch"):
-        assert word in finished.stdout
 
 
 def test_doctor_works_without_the_native_core():
