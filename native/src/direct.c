@@ -259,11 +259,12 @@ static rs_status_t wait_for(rs_direct_t *d, int (*ready)(const rs_direct_t *, ui
 /* A peer's post is read as untrusted: its metadata must be well formed before anything
  * formats or sizes from it (every rank reads the same posts and finds the same). */
 static char *malformed_post(const rs_direct_t *d, uint64_t seq) {
-    char why[512];
+    rs_error_t why;
     for (int r = 0; r < d->comm->size; r++) {
         const post_t *p = &d->areas[r]->posts[seq & 1];
-        if (rs_meta_check(&p->meta, d->comm->size, why, sizeof why, NULL, NULL) != 0)
-            return rs_strdup_printf("rank %d posted a malformed blocking collective: %s", r, why);
+        if (rs_meta_check(&p->meta, d->comm->size, &why, NULL, NULL) != RS_OK)
+            return rs_strdup_printf("rank %d posted a malformed blocking collective: %s", r,
+                                    why.text);
     }
     return NULL;
 }
@@ -424,9 +425,9 @@ void rs_direct_serve_joined(rs_direct_t *d, double seconds) {
          * post whose size does not follow from its (well-formed) metadata goes there too. */
         rs_meta_t meta = theirs->meta; /* one read of the peer's fields */
         int64_t bytes = 0;
-        char why[256];
+        rs_error_t why; /* (the engine words the error, on every rank) */
         int flags = meta.kind == RS_KIND_ALLREDUCE ? theirs->flags : POST_USE_ENGINE;
-        if (rs_meta_check(&meta, d->comm->size, why, sizeof why, NULL, &bytes) != 0 ||
+        if (rs_meta_check(&meta, d->comm->size, &why, NULL, &bytes) != RS_OK ||
             ((flags & POST_DATA) && (size_t)bytes > RS_DIRECT_MAX_BYTES))
             flags = POST_USE_ENGINE;
         fill_header(mine, theirs->name, &meta, (size_t)bytes, flags);

@@ -251,7 +251,7 @@ static void complete_ready(rs_engine_t *e, rs_pending_t **ready, int nready, rs_
             w->result_rows = ready[i]->last_rank;
         if (w->status == (rs_status_t)-1) { /* not run: a failure stopped the round */
             w->status = st;
-            w->error = strdup(e->comm->last_error);
+            w->error = strdup(e->comm->error.text);
         }
         finish_locked(e, w);
     }
@@ -352,7 +352,7 @@ static int idle_wait(rs_engine_t *e, double next_deadline) {
     if (st == RS_OK && lost >= 0 && has_local_pending(e))
         st = rs_fail_lost_peer(comm, lost);
     if (st != RS_OK) {
-        engine_fail(e, st, comm->last_error);
+        engine_fail(e, st, comm->error.text);
         return 0;
     }
     return nwaits > 1 && waits[1].ready;
@@ -388,7 +388,7 @@ static void *engine_main(void *arg) {
         peer_started = 0;
         rs_status_t st = run_round(e, batch, n);
         if (st != RS_OK) {
-            engine_fail(e, st, e->comm->last_error);
+            engine_fail(e, st, e->comm->error.text);
             fail_batch(e, batch, n); /* those the round never recorded */
         }
     }
@@ -521,9 +521,9 @@ static rs_status_t validate(rs_engine_t *e, const char *name, const rs_request_t
         return usage(e, "tensor '%s' is already in flight on rank %d; synchronize it before "
                      "submitting the name again", name, e->comm->rank);
     rs_meta_t m = meta_of(r);
-    char why[512];
-    if (rs_meta_check(&m, e->comm->size, why, sizeof why, NULL, NULL) != 0)
-        return usage(e, "tensor '%s': %s", name, why);
+    rs_error_t why;
+    if (rs_meta_check(&m, e->comm->size, &why, NULL, NULL) != RS_OK)
+        return usage(e, "tensor '%s': %s", name, why.text);
     int needs_rows = r->kind == RS_KIND_ALLGATHER || r->kind == RS_KIND_ALLTOALL ||
                      r->kind == RS_KIND_REDUCESCATTER;
     if (needs_rows && r->ndim < 1)
@@ -669,7 +669,7 @@ rs_status_t rs_engine_try_lane(rs_engine_t *e, const char *name, const rs_reques
     if (st != RS_OK) {
         pthread_mutex_lock(&e->mu);
         snprintf(e->last_error, sizeof e->last_error, "%s",
-                 error[0] ? error : e->comm->last_error);
+                 error[0] ? error : e->comm->error.text);
         pthread_mutex_unlock(&e->mu);
     }
     return st;
