@@ -45,11 +45,10 @@ static rs_status_t reduce_buffer(rs_executor_t *x, const void *send, void *recv,
     if (!x->staged || count * rs_dtype_size(m->dtype) < x->staged_min_bytes)
         return rs_allreduce(x->comm, send, recv, count, m->dtype, m->op, m->prescale,
                             m->postscale);
-    char error[RS_ERROR_LEN] = "";
-    rs_status_t st = rs_direct_staged_allreduce(x->staged, send, recv, count, m, error,
-                                                sizeof error);
-    if (st != RS_OK && error[0])
-        rs_fail(x->comm, st, "%s", error);
+    rs_status_t st = rs_direct_staged_allreduce(x->staged, send, recv, count, m);
+    const rs_error_t *why = rs_direct_error(x->staged); /* the engine thread's instance */
+    if (st != RS_OK && why->code != RS_OK)
+        rs_fail(x->comm, st, "%s", why->text);
     return st;
 }
 
