@@ -77,19 +77,23 @@ rs_status_t rs_finish_scale(rs_comm_t *comm, void *buf, size_t count, rs_dtype_t
  * the calling threads use one at a time. `broken` is read and written atomically by any
  * thread.
  *
- * Errors: each actor that can fail owns one rs_error_t (status.h), and only these:
- *  - the communicator's `error`: written by any thread (the engine thread, a caller on
- *    the same-host lane, an abort) through rs_fail, under error_mu; read whole with
+ * Errors travel as a status code, with the words in the record (rs_error_t, status.h)
+ * of the actor that failed. The records, and which thread writes each:
+ *  - the communicator's `error`: any thread (the engine thread, a caller on the
+ *    same-host lane, an abort) through rs_fail, under error_mu; read whole with
  *    rs_comm_error (also under error_mu), or by the caller of the call that failed
  *    (rs_comm_last_error).
  *  - the engine's `error` (engine.c): usage errors and failed waits, written only by the
  *    threads that call the engine, under the engine's mutex; never by the engine thread.
  *    The engine's `failure` (the first fatal error, which every later request fails with)
  *    is written once, by whichever thread fails the engine, also under the mutex.
- *  - the lane's `error` (direct.c): written by the thread that holds the lane (its lock;
- *    the executor's staged instance belongs to the engine thread alone).
- * Text that only builds a message (rs_peer_gone_text, rs_format_ranks) is no channel: it
- * writes into the caller's buffer, and the caller records the error. */
+ *  - the lane's `error` (direct.c): the thread that holds the lane's lock (the executor's
+ *    staged instance belongs to the engine thread alone, without the lock). The lane's
+ *    glue (lane.c) copies it before it lets the lane go, then fails the engine or writes
+ *    the engine's `error`.
+ * A finished request's text (rs_work_t.error) is its result, not a channel: set with its
+ * status under the engine's mutex. Text that only builds a message (rs_peer_gone_text,
+ * rs_format_ranks) is no channel either: the caller records the error. */
 struct rs_comm {
     int rank;
     int size;
