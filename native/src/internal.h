@@ -91,9 +91,10 @@ rs_status_t rs_finish_scale(rs_comm_t *comm, void *buf, size_t count, rs_dtype_t
  *    staged instance belongs to the engine thread alone, without the lock). The lane's
  *    glue (lane.c) copies it before it lets the lane go, then fails the engine or writes
  *    the engine's `error`.
- * A finished request's text (rs_work_t.error) is its result, not a channel: set with its
- * status under the engine's mutex. Text that only builds a message (rs_peer_gone_text,
- * rs_format_ranks) is no channel either: the caller records the error. */
+ * A request's text (rs_work_t.error) is its result, not a channel: set with its status
+ * before the request is marked done under the engine's mutex, read only after. Text that
+ * only builds a message (rs_peer_gone_text, rs_format_ranks) is no channel either: the
+ * caller records the error. */
 struct rs_comm {
     int rank;
     int size;
