@@ -40,6 +40,7 @@ static rs_status_t blocks_from_counts(rs_comm_t *comm, const int64_t *counts, si
     for (int i = 0; i < comm->size; i++) {
         if (counts[i] < 0) {
             free(b->bytes);
+            b->bytes = NULL; /* nothing for the caller to free */
             return rs_fail(comm, RS_ERR_USAGE, "rank %d: negative count %lld for rank %d",
                            comm->rank, (long long)counts[i], i);
         }
@@ -167,6 +168,19 @@ static rs_status_t direct_allreduce(rs_comm_t *comm, char *buf, size_t bytes, si
     return RS_OK;
 }
 
+/* Large messages: a reduce-scatter, then an allgather, around the ring. */
+static rs_status_t ring_allreduce(rs_comm_t *comm, char *buf, size_t count, size_t elem,
+                                  rs_reduce_fn reduce) {
+    blocks_t b;
+    RS_CHECK(blocks_even(comm, count, elem, &b));
+    rs_status_t st;
+    RS_CHECK_GOTO(ring_reduce_scatter(comm, buf, &b, elem, reduce), st, out);
+    st = ring_allgather(comm, buf, &b);
+out:
+    free(b.bytes);
+    return st;
+}
+
 /* ---- public collectives ---- */
 
 rs_status_t rs_allreduce(rs_comm_t *comm, const void *sendbuf, void *recvbuf, size_t count,
@@ -180,15 +194,19 @@ rs_status_t rs_allreduce(rs_comm_t *comm, const void *sendbuf, void *recvbuf, si
     if (comm->size > 1 && count > 0 && count * elem <= comm->small_allreduce_bytes) {
         RS_CHECK(direct_allreduce(comm, recvbuf, count * elem, count, rs_reduce_kernel(dtype, op)));
     } else if (comm->size > 1 && count > 0) {
-        blocks_t b;
-        RS_CHECK(blocks_even(comm, count, elem, &b));
-        rs_status_t st = ring_reduce_scatter(comm, recvbuf, &b, elem, rs_reduce_kernel(dtype, op));
-        if (st == RS_OK)
-            st = ring_allgather(comm, recvbuf, &b);
-        free(b.bytes);
-        RS_CHECK(st);
+        RS_CHECK(ring_allreduce(comm, recvbuf, count, elem, rs_reduce_kernel(dtype, op)));
     }
     return rs_finish_scale(comm, recvbuf, count, dtype, op, postscale);
+}
+
+/* The ring reduces in place, and sendbuf is the caller's: it works on a copy. */
+static rs_status_t reduce_scatter_copy(rs_comm_t *comm, const void *sendbuf, char *work,
+                                       size_t total, const blocks_t *b, size_t elem,
+                                       rs_dtype_t dtype, rs_op_t op, double prescale) {
+    memcpy(work, sendbuf, total);
+    if (prescale != 1.0)
+        RS_CHECK(rs_scale_local(work, total / elem, dtype, prescale));
+    return ring_reduce_scatter(comm, work, b, elem, rs_reduce_kernel(dtype, op));
 }
 
 rs_status_t rs_reducescatter(rs_comm_t *comm, const void *sendbuf, void *recvbuf,
@@ -198,28 +216,24 @@ rs_status_t rs_reducescatter(rs_comm_t *comm, const void *sendbuf, void *recvbuf
     size_t elem = rs_dtype_size(dtype), total;
     blocks_t b;
     RS_CHECK(blocks_from_counts(comm, counts, elem, &b, &total));
-    /* The ring reduces in place, and sendbuf is the caller's: work on a copy. */
     char *work = comm->size > 1 ? malloc(total ? total : 1) : NULL;
+    size_t my_bytes = b.bytes[comm->rank];
+    const char *mine = work ? work + b.offset[comm->rank] : (const char *)sendbuf;
     rs_status_t st = RS_OK;
     if (comm->size > 1 && !work)
-        st = rs_fail(comm, RS_ERR_NOMEM, "cannot allocate %zu bytes", total);
-    if (st == RS_OK && work) {
-        memcpy(work, sendbuf, total);
-        if (prescale != 1.0)
-            st = rs_scale_local(work, total / elem, dtype, prescale);
-        if (st == RS_OK)
-            st = ring_reduce_scatter(comm, work, &b, elem, rs_reduce_kernel(dtype, op));
-    }
-    const char *mine = work ? work + b.offset[comm->rank] : (const char *)sendbuf;
-    size_t my_bytes = b.bytes[comm->rank];
-    if (st == RS_OK && my_bytes && recvbuf != mine)
+        RS_CHECK_GOTO(rs_fail(comm, RS_ERR_NOMEM, "cannot allocate %zu bytes", total), st, out);
+    if (work)
+        RS_CHECK_GOTO(reduce_scatter_copy(comm, sendbuf, work, total, &b, elem, dtype, op,
+                                          prescale), st, out);
+    if (my_bytes && recvbuf != mine)
         memmove(recvbuf, mine, my_bytes);
-    if (st == RS_OK && !work && prescale != 1.0)
-        st = rs_scale_local(recvbuf, my_bytes / elem, dtype, prescale);
+    if (!work && prescale != 1.0)
+        RS_CHECK_GOTO(rs_scale_local(recvbuf, my_bytes / elem, dtype, prescale), st, out);
+    st = rs_finish_scale(comm, recvbuf, my_bytes / elem, dtype, op, postscale);
+out:
     free(work);
     free(b.bytes);
-    RS_CHECK(st);
-    return rs_finish_scale(comm, recvbuf, my_bytes / elem, dtype, op, postscale);
+    return st;
 }
 
 rs_status_t rs_allgatherv(rs_comm_t *comm, const void *sendbuf, void *recvbuf,
@@ -256,30 +270,26 @@ rs_status_t rs_broadcast(rs_comm_t *comm, void *buf, size_t bytes, int root) {
 rs_status_t rs_alltoallv(rs_comm_t *comm, const void *sendbuf, const int64_t *send_counts,
                          void *recvbuf, const int64_t *recv_counts) {
     size_t send_total, recv_total;
-    blocks_t out, in;
-    RS_CHECK(blocks_from_counts(comm, send_counts, 1, &out, &send_total));
-    rs_status_t st = blocks_from_counts(comm, recv_counts, 1, &in, &recv_total);
-    if (st != RS_OK) {
-        free(out.bytes);
-        return st;
-    }
+    blocks_t out = {0}, in = {0};
+    rs_xfer_t *x = NULL;
+    rs_status_t st;
+    RS_CHECK_GOTO(blocks_from_counts(comm, send_counts, 1, &out, &send_total), st, done);
+    RS_CHECK_GOTO(blocks_from_counts(comm, recv_counts, 1, &in, &recv_total), st, done);
     int r = comm->rank, n = comm->size;
     if (out.bytes[r] != in.bytes[r])
-        st = rs_fail(comm, RS_ERR_USAGE, "rank %d: alltoall sends %zu bytes to itself but "
-                     "expects %zu", r, out.bytes[r], in.bytes[r]);
-    rs_xfer_t *x = st == RS_OK ? calloc(2 * (size_t)n, sizeof *x) : NULL;
-    if (st == RS_OK && !x)
-        st = rs_fail(comm, RS_ERR_NOMEM, "out of memory");
-    if (st == RS_OK) {
-        memmove((char *)recvbuf + in.offset[r], (const char *)sendbuf + out.offset[r], in.bytes[r]);
-        int k = 0;
-        for (int s = 1; s < n; s++) {
-            int to = mod(r + s, n), from = mod(r - s, n);
-            x[k++] = send_to(to, (const char *)sendbuf + out.offset[to], out.bytes[to]);
-            x[k++] = recv_from(from, (char *)recvbuf + in.offset[from], in.bytes[from]);
-        }
-        st = rs_progress(comm, x, k);
+        RS_CHECK_GOTO(rs_fail(comm, RS_ERR_USAGE, "rank %d: alltoall sends %zu bytes to itself "
+                              "but expects %zu", r, out.bytes[r], in.bytes[r]), st, done);
+    if (!(x = calloc(2 * (size_t)n, sizeof *x)))
+        RS_CHECK_GOTO(rs_fail(comm, RS_ERR_NOMEM, "out of memory"), st, done);
+    memmove((char *)recvbuf + in.offset[r], (const char *)sendbuf + out.offset[r], in.bytes[r]);
+    int k = 0;
+    for (int s = 1; s < n; s++) {
+        int to = mod(r + s, n), from = mod(r - s, n);
+        x[k++] = send_to(to, (const char *)sendbuf + out.offset[to], out.bytes[to]);
+        x[k++] = recv_from(from, (char *)recvbuf + in.offset[from], in.bytes[from]);
     }
+    st = rs_progress(comm, x, k);
+done:
     free(x);
     free(out.bytes);
     free(in.bytes);

@@ -6,7 +6,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "ringsync.h"
+#include "status.h"
 
 /* The largest tensor or total the core handles: every byte count fits int64_t, so sums of
  * a few of them and signed offsets cannot overflow either. */
@@ -30,11 +30,12 @@ typedef struct {
     int64_t shape[RS_MAX_DIMS];
 } rs_meta_t;
 
-/* 0 when m is well formed for a communicator of `size` ranks (a known kind, a dtype and
- * op it supports, a root in range, finite scale factors, at most RS_MAX_DIMS dimensions,
- * none negative, at most RS_MAX_BYTES in all); else -1 with the reason in `why`. On
- * success *elements and *bytes (either may be NULL) receive the tensor's sizes. */
-int rs_meta_check(const rs_meta_t *m, int size, char *why, size_t cap, int64_t *elements,
-                  int64_t *bytes);
+/* RS_OK when m is well formed for a communicator of `size` ranks (a known kind, a dtype
+ * and op it supports, a root in range, finite scale factors, at most RS_MAX_DIMS
+ * dimensions, none negative, at most RS_MAX_BYTES in all); else RS_ERR_USAGE, with the
+ * reason in *why (the caller's record: it words the error for its context). On success
+ * *elements and *bytes (either may be NULL) receive the tensor's sizes. */
+rs_status_t rs_meta_check(const rs_meta_t *m, int size, rs_error_t *why, int64_t *elements,
+                          int64_t *bytes);
 
 #endif

@@ -77,7 +77,11 @@ struct rs_direct {
     double spin_seconds;
     double stall_seconds;
     size_t max_bytes; /* larger tensors go through the engine */
-    pthread_mutex_t mu; /* one operation at a time per rank */
+    /* One operation at a time per rank. The caller of rs_direct_run holds it (until it
+     * has read `error`); a joined rank's wait takes it for each slice. The executor's
+     * staged instance needs none: only the engine thread uses it. */
+    pthread_mutex_t mu;
+    rs_error_t error; /* why the last operation failed: written by the thread holding mu */
 };
 
 rs_direct_t *rs_direct_create(rs_comm_t *comm, int area, double spin_seconds,
@@ -98,6 +102,10 @@ rs_direct_t *rs_direct_create(rs_comm_t *comm, int area, double spin_seconds,
     pthread_mutex_init(&d->mu, NULL);
     return d;
 }
+
+void rs_direct_lock(rs_direct_t *d) { pthread_mutex_lock(&d->mu); }
+void rs_direct_unlock(rs_direct_t *d) { pthread_mutex_unlock(&d->mu); }
+const rs_error_t *rs_direct_error(const rs_direct_t *d) { return &d->error; }
 
 void rs_direct_free(rs_direct_t *d) {
     if (!d)
@@ -179,17 +187,21 @@ typedef struct {
     const rs_status_t *failure; /* the engine's, or NULL */
 } waiting_t;
 
-static rs_status_t check_peers(rs_direct_t *d, double *abort_seen, char *error, size_t cap) {
+static rs_status_t peer_gone(rs_direct_t *d, int peer, int aborted) {
+    char text[RS_ERROR_LEN];
+    rs_peer_gone_text(d->comm, peer, aborted, text, sizeof text);
+    return rs_error_set(&d->error, RS_ERR_COMM, "%s", text);
+}
+
+static rs_status_t check_peers(rs_direct_t *d, double *abort_seen) {
     rs_comm_t *comm = d->comm;
     int aborted = -1;
     for (int p = 0; p < comm->size; p++) {
         if (p == comm->rank)
             continue;
         int state = comm->transport->peer_state(comm, p);
-        if (state == RS_PEER_LOST) {
-            rs_peer_gone_text(comm, p, 0, error, cap);
-            return RS_ERR_COMM;
-        }
+        if (state == RS_PEER_LOST)
+            return peer_gone(d, p, 0);
         if (state == RS_PEER_ABORTED && aborted < 0)
             aborted = p;
     }
@@ -199,8 +211,7 @@ static rs_status_t check_peers(rs_direct_t *d, double *abort_seen, char *error, 
         *abort_seen = rs_now();
     if (rs_now() - *abort_seen < LOST_PEER_WAIT_SECONDS)
         return RS_OK;
-    rs_peer_gone_text(comm, aborted, 1, error, cap);
-    return RS_ERR_COMM;
+    return peer_gone(d, aborted, 1);
 }
 
 static void report_stall(const rs_direct_t *d, uint64_t seq, const char *name, int kind,
@@ -211,23 +222,22 @@ static void report_stall(const rs_direct_t *d, uint64_t seq, const char *name, i
     rs_report_stall(name, kind, have, missing, waited);
 }
 
-static rs_status_t time_out(const rs_direct_t *d, uint64_t seq, const waiting_t *w,
-                            double waited, char *error, size_t cap) {
-    char missing[512];
-    missing_ranks(d, seq, 0, missing, sizeof missing);
+static rs_status_t time_out(rs_direct_t *d, uint64_t seq, const waiting_t *w, double waited) {
     if (!w->name)
-        snprintf(error, cap, "rank %d: timed out after %.1f s in a shared-memory allreduce "
-                 "waiting for its peers (RINGSYNC_TIMEOUT_SECONDS=%g)", d->comm->rank, waited,
-                 d->comm->timeout_seconds);
-    else
-        rs_submit_timeout_text(d->comm, w->name, w->kind, waited, missing, error, cap);
-    return RS_ERR_TIMEOUT;
+        return rs_error_set(&d->error, RS_ERR_TIMEOUT, "rank %d: timed out after %.1f s in a "
+                            "shared-memory allreduce waiting for its peers "
+                            "(RINGSYNC_TIMEOUT_SECONDS=%g)", d->comm->rank, waited,
+                            d->comm->timeout_seconds);
+    char missing[512], text[RS_ERROR_LEN];
+    missing_ranks(d, seq, 0, missing, sizeof missing);
+    rs_submit_timeout_text(d->comm, w->name, w->kind, waited, missing, text, sizeof text);
+    return rs_error_set(&d->error, RS_ERR_TIMEOUT, "%s", text);
 }
 
 /* Spin, then sleep in slices until ready(d, seq); between slices, look at the engine's
  * failure, the communicator, the peers' sockets, and the stall and timeout deadlines. */
 static rs_status_t wait_for(rs_direct_t *d, int (*ready)(const rs_direct_t *, uint64_t),
-                            uint64_t seq, const waiting_t *w, char *error, size_t cap) {
+                            uint64_t seq, const waiting_t *w) {
     double start = rs_now(), spin_until = start + d->spin_seconds, abort_seen = 0;
     int stall_reported = !w->name || d->comm->rank != 0 || d->stall_seconds <= 0;
     while (!ready(d, seq)) {
@@ -236,19 +246,17 @@ static rs_status_t wait_for(rs_direct_t *d, int (*ready)(const rs_direct_t *, ui
             continue;
         rs_status_t failed = w->failure ? __atomic_load_n(w->failure, __ATOMIC_ACQUIRE) : RS_OK;
         if (failed)
-            return failed; /* the engine failed (or was aborted): the caller says why */
-        if (__atomic_load_n(&d->comm->broken, __ATOMIC_RELAXED)) {
-            snprintf(error, cap, "rank %d: communicator is broken by an earlier failure",
-                     d->comm->rank);
-            return RS_ERR_COMM;
-        }
-        RS_CHECK(check_peers(d, &abort_seen, error, cap));
+            return failed; /* the engine failed (or was aborted): it has the words */
+        if (__atomic_load_n(&d->comm->broken, __ATOMIC_RELAXED))
+            return rs_error_set(&d->error, RS_ERR_COMM, "rank %d: communicator is broken by an "
+                                "earlier failure", d->comm->rank);
+        RS_CHECK(check_peers(d, &abort_seen));
         if (!stall_reported && now - start >= d->stall_seconds) {
             report_stall(d, seq, w->name, w->kind, now - start);
             stall_reported = 1;
         }
         if (d->comm->timeout_seconds > 0 && now - start >= d->comm->timeout_seconds)
-            return time_out(d, seq, w, now - start, error, cap);
+            return time_out(d, seq, w, now - start);
         doze(d, SLICE_SECONDS, ready, seq);
     }
     return RS_OK;
@@ -258,53 +266,65 @@ static rs_status_t wait_for(rs_direct_t *d, int (*ready)(const rs_direct_t *, ui
 
 /* A peer's post is read as untrusted: its metadata must be well formed before anything
  * formats or sizes from it (every rank reads the same posts and finds the same). */
-static char *malformed_post(const rs_direct_t *d, uint64_t seq) {
-    char why[512];
+static rs_status_t check_well_formed(rs_direct_t *d, uint64_t seq) {
+    rs_error_t why;
     for (int r = 0; r < d->comm->size; r++) {
         const post_t *p = &d->areas[r]->posts[seq & 1];
-        if (rs_meta_check(&p->meta, d->comm->size, why, sizeof why, NULL, NULL) != 0)
-            return rs_strdup_printf("rank %d posted a malformed blocking collective: %s", r, why);
+        if (rs_meta_check(&p->meta, d->comm->size, &why, NULL, NULL) != RS_OK)
+            return rs_error_set(&d->error, RS_ERR_USAGE, "rank %d posted a malformed blocking "
+                                "collective: %s", r, why.text);
     }
-    return NULL;
+    return RS_OK;
 }
 
-/* NULL if every rank posted the same tensor, else a message naming ranks and values. */
-static char *disagreement(const rs_direct_t *d, uint64_t seq) {
-    int size = d->comm->size;
-    char *message = malformed_post(d, seq);
-    if (message)
-        return message;
+static rs_status_t check_names(rs_direct_t *d, uint64_t seq) {
     const post_t *first = &d->areas[0]->posts[seq & 1];
-    for (int r = 1; r < size; r++) {
+    for (int r = 1; r < d->comm->size; r++) {
         const post_t *p = &d->areas[r]->posts[seq & 1];
         if (p->name_hash != first->name_hash ||
             strncmp(p->name, first->name, sizeof p->name) != 0)
-            return rs_strdup_printf("Mismatched blocking collectives: rank 0 called %s '%.*s', "
-                                    "rank %d called %s '%.*s' (every rank must make blocking "
-                                    "collectives in the same order)",
-                                    rs_kind_name(first->meta.kind), RS_MAX_NAME_LEN,
-                                    first->name, r, rs_kind_name(p->meta.kind),
-                                    RS_MAX_NAME_LEN, p->name);
+            return rs_error_set(&d->error, RS_ERR_USAGE, "Mismatched blocking collectives: "
+                                "rank 0 called %s '%.*s', rank %d called %s '%.*s' (every rank "
+                                "must make blocking collectives in the same order)",
+                                rs_kind_name(first->meta.kind), RS_MAX_NAME_LEN, first->name, r,
+                                rs_kind_name(p->meta.kind), RS_MAX_NAME_LEN, p->name);
     }
-    char name[RS_MAX_NAME_LEN + 1];
-    snprintf(name, sizeof name, "%.*s", RS_MAX_NAME_LEN, first->name);
+    return RS_OK;
+}
+
+/* The engine's agreement check (the same words as for its own requests). */
+static rs_status_t check_metas(rs_direct_t *d, uint64_t seq) {
+    int size = d->comm->size;
     size_t ranks = (size_t)(unsigned)size; /* (at least two: the lane needs a peer) */
     rs_meta_t *metas = calloc(ranks, sizeof *metas);
     unsigned char *submitted = malloc(ranks);
-    if (!metas || !submitted) {
-        free(metas);
-        free(submitted);
-        return rs_strdup_printf("rank %d: out of memory", d->comm->rank);
-    }
+    rs_status_t st = RS_OK;
+    if (!metas || !submitted)
+        RS_CHECK_GOTO(rs_error_set(&d->error, RS_ERR_USAGE, "rank %d: out of memory",
+                                   d->comm->rank), st, out);
     for (int r = 0; r < size; r++) {
         metas[r] = d->areas[r]->posts[seq & 1].meta;
         submitted[r] = 1;
     }
+    char name[RS_MAX_NAME_LEN + 1];
+    snprintf(name, sizeof name, "%.*s", RS_MAX_NAME_LEN, d->areas[0]->posts[seq & 1].name);
     rs_pending_t p = {.name = name, .metas = metas, .submitted = submitted, .count = size};
-    message = rs_check_agreement(&p, size);
+    char *message = rs_check_agreement(&p, size);
+    if (message)
+        st = rs_error_set(&d->error, RS_ERR_USAGE, "%s", message);
+    free(message);
+out:
     free(metas);
     free(submitted);
-    return message;
+    return st;
+}
+
+/* RS_OK if every rank posted the same well-formed tensor, else RS_ERR_USAGE with the
+ * lane's record naming ranks and values. */
+static rs_status_t check_posts(rs_direct_t *d, uint64_t seq) {
+    RS_CHECK(check_well_formed(d, seq));
+    RS_CHECK(check_names(d, seq));
+    return check_metas(d, seq);
 }
 
 static rs_status_t reduce_posts(rs_direct_t *d, uint64_t seq, const rs_meta_t *meta,
@@ -347,42 +367,36 @@ static int agreed_flags(const rs_direct_t *d, uint64_t seq) {
 }
 
 static rs_status_t staged_allreduce(rs_direct_t *d, const void *sendbuf, void *recvbuf,
-                                    size_t count, const rs_meta_t *meta, const waiting_t *w,
-                                    char *error, size_t cap);
+                                    size_t count, const rs_meta_t *meta, const waiting_t *w);
 
 rs_status_t rs_direct_run(rs_direct_t *d, const char *name, const rs_meta_t *meta,
                           size_t count, const void *sendbuf, void *recvbuf,
-                          const rs_status_t *failure, int *ran, char *error, size_t cap) {
+                          const rs_status_t *failure, int *ran) {
     size_t bytes = count * rs_dtype_size(meta->dtype);
     int flags = post_flags(d, meta, bytes);
-    pthread_mutex_lock(&d->mu);
+    rs_error_clear(&d->error);
     uint64_t seq = ++d->seq;
     post_t *post = &d->areas[d->comm->rank]->posts[seq & 1];
     fill_header(post, name, meta, bytes, flags);
-    rs_status_t st = RS_OK;
+    rs_status_t scaled = RS_OK;
     if ((flags & POST_DATA) && bytes) {
         memcpy(post->data, sendbuf, bytes);
         if (meta->prescale != 1.0)
-            st = rs_scale_local(post->data, count, meta->dtype, meta->prescale);
+            scaled = rs_scale_local(post->data, count, meta->dtype, meta->prescale);
     }
     publish(d, &post->seq, seq); /* even after a failed prescale: the peers must not hang */
     waiting_t w = {name, meta->kind, failure};
-    rs_status_t waited = wait_for(d, all_posted, seq, &w, error, cap);
-    st = waited != RS_OK ? waited : st;
-    char *message = st == RS_OK ? disagreement(d, seq) : NULL;
-    if (message) {
-        snprintf(error, cap, "%s", message);
-        free(message);
-        st = RS_ERR_USAGE;
-    }
-    int agreed = st == RS_OK ? agreed_flags(d, seq) : 0;
+    *ran = 1; /* a failure is this call's: the engine must not run it again */
+    RS_CHECK(wait_for(d, all_posted, seq, &w));
+    RS_CHECK(scaled);
+    RS_CHECK(check_posts(d, seq));
+    int agreed = agreed_flags(d, seq);
     *ran = !(agreed & POST_USE_ENGINE);
     if ((agreed & POST_DATA) && count && meta->kind == RS_KIND_ALLREDUCE)
-        st = reduce_posts(d, seq, meta, count, recvbuf);
+        return reduce_posts(d, seq, meta, count, recvbuf);
     if (agreed & POST_STAGED)
-        st = staged_allreduce(d, sendbuf, recvbuf, count, meta, &w, error, cap);
-    pthread_mutex_unlock(&d->mu);
-    return st;
+        return staged_allreduce(d, sendbuf, recvbuf, count, meta, &w);
+    return RS_OK;
 }
 
 /* ---- a joined rank ---- */
@@ -399,17 +413,16 @@ static int next_posted_by_any(const rs_direct_t *d, uint64_t seq) {
  * has read its previous posts. A failure is left for the callers, and for the engine, to
  * report. */
 static void stage_zeros(rs_direct_t *d, const rs_meta_t *meta, size_t bytes) {
-    char *zeros = calloc(1, bytes), *out = malloc(bytes), error[RS_ERROR_LEN];
+    char *zeros = calloc(1, bytes), *out = malloc(bytes);
     waiting_t w = {"(joined)", RS_KIND_ALLREDUCE, NULL};
-    if (zeros && out && wait_for(d, all_posted, d->seq, &w, error, sizeof error) == RS_OK)
-        staged_allreduce(d, zeros, out, bytes / rs_dtype_size(meta->dtype), meta, &w, error,
-                         sizeof error);
+    if (zeros && out && wait_for(d, all_posted, d->seq, &w) == RS_OK)
+        staged_allreduce(d, zeros, out, bytes / rs_dtype_size(meta->dtype), meta, &w);
     free(zeros);
     free(out);
 }
 
-void rs_direct_serve_joined(rs_direct_t *d, double seconds) {
-    pthread_mutex_lock(&d->mu);
+/* Under the lane's lock: post for every operation the others have posted. */
+static void serve_posts(rs_direct_t *d) {
     for (;;) {
         uint64_t seq = d->seq + 1;
         int from = -1;
@@ -417,16 +430,16 @@ void rs_direct_serve_joined(rs_direct_t *d, double seconds) {
             if (r != d->comm->rank && posted(d, r, seq))
                 from = r;
         if (from < 0)
-            break;
+            return;
         const post_t *theirs = &d->areas[from]->posts[seq & 1];
         post_t *mine = &d->areas[d->comm->rank]->posts[seq & 1];
         /* Only allreduce works with join: the engine fails the others on every rank. A
          * post whose size does not follow from its (well-formed) metadata goes there too. */
         rs_meta_t meta = theirs->meta; /* one read of the peer's fields */
         int64_t bytes = 0;
-        char why[256];
+        rs_error_t why; /* (the engine words the error, on every rank) */
         int flags = meta.kind == RS_KIND_ALLREDUCE ? theirs->flags : POST_USE_ENGINE;
-        if (rs_meta_check(&meta, d->comm->size, why, sizeof why, NULL, &bytes) != 0 ||
+        if (rs_meta_check(&meta, d->comm->size, &why, NULL, &bytes) != RS_OK ||
             ((flags & POST_DATA) && (size_t)bytes > RS_DIRECT_MAX_BYTES))
             flags = POST_USE_ENGINE;
         fill_header(mine, theirs->name, &meta, (size_t)bytes, flags);
@@ -437,8 +450,17 @@ void rs_direct_serve_joined(rs_direct_t *d, double seconds) {
         if (flags & POST_STAGED)
             stage_zeros(d, &meta, (size_t)bytes);
     }
-    doze(d, seconds, next_posted_by_any, d->seq + 1);
-    pthread_mutex_unlock(&d->mu);
+}
+
+void rs_direct_serve_joined(rs_direct_t *d, const int *done, double until) {
+    for (double now = rs_now(); !__atomic_load_n(done, __ATOMIC_ACQUIRE) && now < until;
+         now = rs_now()) {
+        pthread_mutex_lock(&d->mu); /* a slice at a time: other callers get their turn */
+        serve_posts(d);
+        double left = until - now;
+        doze(d, left < SLICE_SECONDS ? left : SLICE_SECONDS, next_posted_by_any, d->seq + 1);
+        pthread_mutex_unlock(&d->mu);
+    }
 }
 
 /* ---- the staged allreduce: a reduce-scatter through shared memory ---- */
@@ -469,8 +491,7 @@ static rs_status_t stage(char *slot, const char *send, size_t lo, size_t n,
  * then every rank copies the other slices out of their owners' slots. Two
  * synchronisations per chunk; each byte crosses between ranks once each way. */
 static rs_status_t staged_chunk(rs_direct_t *d, const char *send, char *recv, size_t count,
-                                const reduction_t *red, const waiting_t *w, char *error,
-                                size_t cap) {
+                                const reduction_t *red, const waiting_t *w) {
     int size = d->comm->size, me = d->comm->rank;
     uint64_t seq = ++d->seq;
     char *slot = d->areas[me]->posts[seq & 1].data;
@@ -484,14 +505,14 @@ static rs_status_t staged_chunk(rs_direct_t *d, const char *send, char *recv, si
         memcpy(out, send + lo * red->elem, n * red->elem);
     if (red->prescale != 1.0)
         RS_CHECK(rs_scale_local(out, n, red->dtype, red->prescale));
-    RS_CHECK(wait_for(d, all_posted, seq, w, error, cap));
+    RS_CHECK(wait_for(d, all_posted, seq, w));
     for (int r = 0; r < size; r++)
         if (r != me)
             red->reduce(out, d->areas[r]->posts[seq & 1].data + lo * red->elem, n);
     RS_CHECK(rs_finish_scale(d->comm, out, n, red->dtype, red->op, red->postscale));
     memcpy(slot + lo * red->elem, out, n * red->elem);
     publish(d, &d->areas[me]->posts[seq & 1].reduced, seq);
-    RS_CHECK(wait_for(d, all_reduced, seq, w, error, cap));
+    RS_CHECK(wait_for(d, all_reduced, seq, w));
     for (int r = 0; r < size; r++) {
         if (r == me)
             continue;
@@ -503,22 +524,21 @@ static rs_status_t staged_chunk(rs_direct_t *d, const char *send, char *recv, si
 }
 
 static rs_status_t staged_allreduce(rs_direct_t *d, const void *sendbuf, void *recvbuf,
-                                    size_t count, const rs_meta_t *meta, const waiting_t *w,
-                                    char *error, size_t cap) {
+                                    size_t count, const rs_meta_t *meta, const waiting_t *w) {
     reduction_t red = {meta->dtype, meta->op, meta->prescale, meta->postscale,
                        rs_dtype_size(meta->dtype), rs_reduce_kernel(meta->dtype, meta->op)};
     size_t chunk = STAGE_CHUNK_BYTES / red.elem;
     for (size_t at = 0; at < count; at += chunk) {
         size_t n = count - at < chunk ? count - at : chunk;
         RS_CHECK(staged_chunk(d, (const char *)sendbuf + at * red.elem,
-                              (char *)recvbuf + at * red.elem, n, &red, w, error, cap));
+                              (char *)recvbuf + at * red.elem, n, &red, w));
     }
     return RS_OK;
 }
 
 rs_status_t rs_direct_staged_allreduce(rs_direct_t *d, const void *sendbuf, void *recvbuf,
-                                       size_t count, const rs_meta_t *meta, char *error,
-                                       size_t cap) {
+                                       size_t count, const rs_meta_t *meta) {
     waiting_t w = {NULL, RS_KIND_ALLREDUCE, NULL};
-    return staged_allreduce(d, sendbuf, recvbuf, count, meta, &w, error, cap);
+    rs_error_clear(&d->error);
+    return staged_allreduce(d, sendbuf, recvbuf, count, meta, &w);
 }

@@ -7,7 +7,6 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
-#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -25,7 +24,7 @@ struct rs_engine {
     int thread_started;
     int wake[2]; /* self-pipe: submissions and stop requests wake the thread */
 
-    pthread_mutex_t mu; /* guards everything down to `failure_text` */
+    pthread_mutex_t mu; /* guards everything down to `error` */
     pthread_cond_t done_cv;
     rs_work_t *queue_head, *queue_tail;
     rs_work_t **slots;
@@ -34,9 +33,13 @@ struct rs_engine {
     rs_map_t in_flight; /* names of this rank's unfinished requests */
     int stopping;
     int sleeping; /* the thread blocks on the self-pipe: a submission must write to it */
-    rs_status_t failure; /* once set, every pending and later request fails with it */
-    char failure_text[RS_ERROR_LEN];
-    char last_error[RS_ERROR_LEN];
+    /* Once set, every pending and later request fails with it. Written once, by the
+     * thread that fails the engine; its code is also read atomically, without mu, by a
+     * caller waiting on the same-host lane. */
+    rs_error_t failure;
+    /* Why a calling thread's last call failed (rs_engine_last_error): written by calling
+     * threads only, never by the engine thread. */
+    rs_error_t error;
 
     /* the engine thread's own */
     rs_negotiator_t negotiator;
@@ -97,25 +100,31 @@ static void free_work(rs_work_t *w) {
 
 /* Under mu. */
 static void finish_locked(rs_engine_t *e, rs_work_t *w) {
-    w->done = 1;
+    __atomic_store_n(&w->done, 1, __ATOMIC_RELEASE); /* a joined rank's lane reads it */
     rs_map_remove(&e->in_flight, w->name);
 }
 
 static void fail_locked(rs_engine_t *e, rs_work_t *w) {
-    w->status = e->failure;
+    w->status = e->failure.code;
     free(w->error);
-    w->error = strdup(e->failure_text);
+    w->error = strdup(e->failure.text);
     finish_locked(e, w);
+}
+
+/* Under mu. The first failure sticks. The text is complete before the code appears to a
+ * waiter that reads only the code. */
+static void set_failure_locked(rs_engine_t *e, rs_status_t st, const char *text) {
+    if (e->failure.code != RS_OK)
+        return;
+    snprintf(e->failure.text, sizeof e->failure.text, "%s", text);
+    __atomic_store_n(&e->failure.code, st, __ATOMIC_RELEASE);
 }
 
 /* A broken communicator fails everything: pending here, queued, and later submissions.
  * Aborting the communicator tells the peers, so they fail too instead of waiting. */
-static void engine_fail(rs_engine_t *e, rs_status_t st, const char *text) {
+void rs_engine_fail(rs_engine_t *e, rs_status_t st, const char *text) {
     pthread_mutex_lock(&e->mu);
-    if (!e->failure) {
-        e->failure = st;
-        snprintf(e->failure_text, sizeof e->failure_text, "%s", text);
-    }
+    set_failure_locked(e, st, text);
     rs_negotiator_t *n = &e->negotiator;
     for (size_t i = 0; i < n->pending.capacity; i++) {
         rs_pending_t *p = n->pending.keys[i] ? n->pending.values[i] : NULL;
@@ -132,6 +141,13 @@ static void engine_fail(rs_engine_t *e, rs_status_t st, const char *text) {
     pthread_cond_broadcast(&e->done_cv);
     pthread_mutex_unlock(&e->mu);
     rs_comm_abort(e->comm);
+}
+
+/* The engine thread: fail the engine with the communicator's error. */
+static void fail_with_comm_error(rs_engine_t *e, rs_status_t st) {
+    rs_error_t why;
+    rs_comm_error(e->comm, &why);
+    rs_engine_fail(e, st, why.text);
 }
 
 static void fail_batch(rs_engine_t *e, rs_work_t **batch, int n) {
@@ -238,11 +254,14 @@ static rs_work_t *stand_in_work(const rs_pending_t *p, int rank) {
 }
 
 static void complete_ready(rs_engine_t *e, rs_pending_t **ready, int nready, rs_status_t st) {
+    rs_error_t why = {0};
+    if (st != RS_OK)
+        rs_comm_error(e->comm, &why);
     pthread_mutex_lock(&e->mu);
     for (int i = 0; i < nready; i++) {
         rs_work_t *w = ready[i]->mine;
         if (!w)
-            continue; /* a round that failed before it got here: engine_fail ends all */
+            continue; /* a round that failed before it got here: rs_engine_fail ends all */
         if (w->synthetic) {
             free_work(w);
             continue;
@@ -251,7 +270,7 @@ static void complete_ready(rs_engine_t *e, rs_pending_t **ready, int nready, rs_
             w->result_rows = ready[i]->last_rank;
         if (w->status == (rs_status_t)-1) { /* not run: a failure stopped the round */
             w->status = st;
-            w->error = strdup(e->comm->last_error);
+            w->error = strdup(why.text);
         }
         finish_locked(e, w);
     }
@@ -259,27 +278,30 @@ static void complete_ready(rs_engine_t *e, rs_pending_t **ready, int nready, rs_
     pthread_mutex_unlock(&e->mu);
 }
 
-/* One negotiation round and the work it makes ready. */
-static rs_status_t run_round(rs_engine_t *e, rs_work_t **batch, int nbatch) {
-    rs_pending_t **ready = NULL;
-    int nready = 0;
-    rs_status_t st = rs_negotiate(e->comm, &e->negotiator, batch, nbatch, &ready, &nready);
-    if (st != RS_OK)
-        return st;
+/* Every ready tensor gets a request: this rank's, or zeros where it has joined. */
+static rs_status_t take_part(rs_engine_t *e, rs_pending_t **ready, int nready) {
     double now = rs_now();
     for (int i = 0; i < nready; i++) {
         rs_work_t *w = ready[i]->mine ? ready[i]->mine : stand_in_work(ready[i], e->comm->rank);
-        if (!w) {
-            st = rs_fail(e->comm, RS_ERR_COMM, "rank %d: out of memory", e->comm->rank);
-            break;
-        }
+        if (!w)
+            return rs_fail(e->comm, RS_ERR_COMM, "rank %d: out of memory", e->comm->rank);
         ready[i]->mine = w;
         w->status = (rs_status_t)-1;
         if (e->timeline.file && !w->synthetic)
             rs_timeline_span(&e->timeline, ready[i]->name, "NEGOTIATE", w->submitted_at, now);
     }
-    if (st == RS_OK)
-        st = rs_execute(&e->executor, ready, nready);
+    return RS_OK;
+}
+
+/* One negotiation round and the work it makes ready. */
+static rs_status_t run_round(rs_engine_t *e, rs_work_t **batch, int nbatch) {
+    rs_pending_t **ready = NULL;
+    int nready = 0;
+    RS_CHECK(rs_negotiate(e->comm, &e->negotiator, batch, nbatch, &ready, &nready));
+    rs_status_t st;
+    RS_CHECK_GOTO(take_part(e, ready, nready), st, done);
+    st = rs_execute(&e->executor, ready, nready);
+done:
     for (int i = 0; i < nready; i++)
         if (ready[i]->mine && ready[i]->mine->status == RS_OK)
             rs_negotiator_cache(&e->negotiator, ready[i]);
@@ -314,7 +336,7 @@ static double check_deadlines(rs_engine_t *e) {
     rs_submit_timeout_text(e->comm, oldest->name, oldest->mine->meta.kind,
                            now - oldest->mine->submitted_at, missing, text, sizeof text);
     rs_fail(e->comm, RS_ERR_TIMEOUT, "%s", text);
-    engine_fail(e, RS_ERR_TIMEOUT, text);
+    rs_engine_fail(e, RS_ERR_TIMEOUT, text);
     return 0;
 }
 
@@ -352,7 +374,7 @@ static int idle_wait(rs_engine_t *e, double next_deadline) {
     if (st == RS_OK && lost >= 0 && has_local_pending(e))
         st = rs_fail_lost_peer(comm, lost);
     if (st != RS_OK) {
-        engine_fail(e, st, comm->last_error);
+        fail_with_comm_error(e, st);
         return 0;
     }
     return nwaits > 1 && waits[1].ready;
@@ -366,7 +388,7 @@ static void *engine_main(void *arg) {
         int n = 0;
         pthread_mutex_lock(&e->mu);
         take_queue_locked(e, &batch, &n, &cap);
-        int stopping = e->stopping, failed = e->failure != RS_OK;
+        int stopping = e->stopping, failed = e->failure.code != RS_OK;
         pthread_mutex_unlock(&e->mu);
         if (failed) {
             fail_batch(e, batch, n);
@@ -388,7 +410,7 @@ static void *engine_main(void *arg) {
         peer_started = 0;
         rs_status_t st = run_round(e, batch, n);
         if (st != RS_OK) {
-            engine_fail(e, st, e->comm->last_error);
+            fail_with_comm_error(e, st);
             fail_batch(e, batch, n); /* those the round never recorded */
         }
     }
@@ -463,16 +485,9 @@ rs_status_t rs_engine_create(rs_comm_t *comm, const rs_engine_config_t *config,
     return RS_OK;
 }
 
-__attribute__((format(printf, 2, 3)))
-static rs_status_t usage(rs_engine_t *e, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(e->last_error, sizeof e->last_error, fmt, ap);
-    va_end(ap);
-    return RS_ERR_USAGE;
-}
+/* ---- checking and accepting requests (calling threads, under mu) ---- */
 
-static rs_meta_t meta_of(const rs_request_t *r) {
+rs_meta_t rs_request_meta(const rs_request_t *r) {
     int reduces = r->kind == RS_KIND_ALLREDUCE || r->kind == RS_KIND_REDUCESCATTER;
     rs_meta_t m = {0};
     m.kind = r->kind;
@@ -493,42 +508,46 @@ static rs_status_t validate_splits(rs_engine_t *e, const char *name, const rs_re
     int size = e->comm->size;
     if (!r->splits) {
         if (r->shape[0] % size)
-            return usage(e, "tensor '%s': first dimension %lld is not divisible by %d ranks; "
-                         "pass splits", name, (long long)r->shape[0], size);
+            return rs_error_set(&e->error, RS_ERR_USAGE, "tensor '%s': first dimension %lld "
+                                "is not divisible by %d ranks; pass splits", name,
+                                (long long)r->shape[0], size);
         return RS_OK;
     }
     int64_t sum = 0;
     for (int i = 0; i < size; i++) {
         if (r->splits[i] < 0)
-            return usage(e, "tensor '%s': negative alltoall split %lld for rank %d", name,
-                         (long long)r->splits[i], i);
+            return rs_error_set(&e->error, RS_ERR_USAGE, "tensor '%s': negative alltoall "
+                                "split %lld for rank %d", name, (long long)r->splits[i], i);
         if (rs_add_checked(sum, r->splits[i], &sum) != 0)
-            return usage(e, "tensor '%s': alltoall splits overflow when summed (split %lld "
-                         "for rank %d)", name, (long long)r->splits[i], i);
+            return rs_error_set(&e->error, RS_ERR_USAGE, "tensor '%s': alltoall splits "
+                                "overflow when summed (split %lld for rank %d)", name,
+                                (long long)r->splits[i], i);
     }
     if (sum != r->shape[0])
-        return usage(e, "tensor '%s': alltoall splits sum to %lld, not to the first "
-                     "dimension %lld", name, (long long)sum, (long long)r->shape[0]);
+        return rs_error_set(&e->error, RS_ERR_USAGE, "tensor '%s': alltoall splits sum to "
+                            "%lld, not to the first dimension %lld", name, (long long)sum,
+                            (long long)r->shape[0]);
     return RS_OK;
 }
 
 /* Check one request on this rank alone (ranks are compared later, in negotiation). */
 static rs_status_t validate(rs_engine_t *e, const char *name, const rs_request_t *r) {
     if (!name || !*name || strlen(name) > RS_MAX_NAME_LEN)
-        return usage(e, "tensor name '%.64s' must have 1 to %d characters", name ? name : "",
-                     RS_MAX_NAME_LEN);
+        return rs_error_set(&e->error, RS_ERR_USAGE, "tensor name '%.64s' must have 1 to %d "
+                            "characters", name ? name : "", RS_MAX_NAME_LEN);
     if (rs_map_get(&e->in_flight, name))
-        return usage(e, "tensor '%s' is already in flight on rank %d; synchronize it before "
-                     "submitting the name again", name, e->comm->rank);
-    rs_meta_t m = meta_of(r);
-    char why[512];
-    if (rs_meta_check(&m, e->comm->size, why, sizeof why, NULL, NULL) != 0)
-        return usage(e, "tensor '%s': %s", name, why);
+        return rs_error_set(&e->error, RS_ERR_USAGE, "tensor '%s' is already in flight on "
+                            "rank %d; synchronize it before submitting the name again", name,
+                            e->comm->rank);
+    rs_meta_t m = rs_request_meta(r);
+    rs_error_t why;
+    if (rs_meta_check(&m, e->comm->size, &why, NULL, NULL) != RS_OK)
+        return rs_error_set(&e->error, RS_ERR_USAGE, "tensor '%s': %s", name, why.text);
     int needs_rows = r->kind == RS_KIND_ALLGATHER || r->kind == RS_KIND_ALLTOALL ||
                      r->kind == RS_KIND_REDUCESCATTER;
     if (needs_rows && r->ndim < 1)
-        return usage(e, "tensor '%s': %s needs at least one dimension", name,
-                     rs_kind_name(r->kind));
+        return rs_error_set(&e->error, RS_ERR_USAGE, "tensor '%s': %s needs at least one "
+                            "dimension", name, rs_kind_name(r->kind));
     return r->kind == RS_KIND_ALLTOALL ? validate_splits(e, name, r) : RS_OK;
 }
 
@@ -538,7 +557,7 @@ static rs_work_t *new_work(rs_engine_t *e, const char *name, const rs_request_t 
         free(w);
         return NULL;
     }
-    w->meta = meta_of(r);
+    w->meta = rs_request_meta(r);
     w->sendbuf = r->sendbuf;
     w->recvbuf = r->recvbuf;
     w->urgent = r->urgent;
@@ -557,58 +576,79 @@ static rs_work_t *new_work(rs_engine_t *e, const char *name, const rs_request_t 
 /* Under mu: check every request first, so that a group is accepted whole or not at all. */
 static rs_status_t validate_all(rs_engine_t *e, const char **names, const rs_request_t *requests,
                                 int n) {
-    if (e->failure) {
-        snprintf(e->last_error, sizeof e->last_error, "%s", e->failure_text);
-        return e->failure;
-    }
+    if (e->failure.code != RS_OK)
+        return rs_error_copy(&e->error, &e->failure);
     if (e->stopping)
-        return usage(e, "the engine is shutting down");
+        return rs_error_set(&e->error, RS_ERR_USAGE, "the engine is shutting down");
     for (int i = 0; i < n; i++) {
         RS_CHECK(validate(e, names[i], &requests[i]));
         for (int j = 0; j < i; j++)
             if (strcmp(names[i], names[j]) == 0)
-                return usage(e, "tensor '%s' appears twice in one group", names[i]);
+                return rs_error_set(&e->error, RS_ERR_USAGE, "tensor '%s' appears twice in "
+                                    "one group", names[i]);
     }
     return RS_OK;
 }
 
-rs_status_t rs_engine_submit(rs_engine_t *e, const char **names, const rs_request_t *requests,
-                             int n, int64_t *handles) {
+rs_status_t rs_engine_validate(rs_engine_t *e, const char *name, const rs_request_t *r) {
     pthread_mutex_lock(&e->mu);
-    rs_status_t st = validate_all(e, names, requests, n);
-    int accepted = 0;
-    for (; st == RS_OK && accepted < n; accepted++) {
-        rs_work_t *w = new_work(e, names[accepted], &requests[accepted]);
+    rs_status_t st = validate_all(e, &name, r, 1);
+    pthread_mutex_unlock(&e->mu);
+    return st;
+}
+
+/* Under mu: forget the first n requests of a group that could not be accepted whole. */
+static void drop_accepted(rs_engine_t *e, const int64_t *handles, int n) {
+    for (int i = 0; i < n; i++) {
+        rs_work_t *w = work_of(e, handles[i]);
+        rs_map_remove(&e->in_flight, w->name);
+        e->slots[handles[i] & 0xffffffff] = NULL;
+        free_work(w);
+    }
+}
+
+/* Under mu: a slot and a request for each of the group, or (out of memory) none. */
+static rs_status_t accept_all(rs_engine_t *e, const char **names, const rs_request_t *requests,
+                              int n, int64_t *handles) {
+    for (int i = 0; i < n; i++) {
+        rs_work_t *w = new_work(e, names[i], &requests[i]);
         int slot = w ? take_slot(e) : -1;
         if (slot < 0 || rs_map_put(&e->in_flight, w->name, w) != 0) {
             if (w)
                 free_work(w);
-            usage(e, "out of memory submitting '%s'", names[accepted]);
-            st = RS_ERR_NOMEM;
-            break;
+            drop_accepted(e, handles, i);
+            return rs_error_set(&e->error, RS_ERR_NOMEM, "out of memory submitting '%s'",
+                                names[i]);
         }
         e->slots[slot] = w;
-        w->handle = handles[accepted] = handle_of(e, slot);
+        w->handle = handles[i] = handle_of(e, slot);
     }
-    if (st == RS_OK) { /* queue the whole group at once: it negotiates in one round */
-        for (int i = 0; i < n; i++) {
-            rs_work_t *w = work_of(e, handles[i]);
-            w->submitted_at = rs_now();
-            if (e->queue_tail)
-                e->queue_tail->next = w;
-            else
-                e->queue_head = w;
-            e->queue_tail = w;
-        }
-    } else {
-        for (int i = 0; i < accepted; i++) {
-            rs_work_t *w = work_of(e, handles[i]);
-            rs_map_remove(&e->in_flight, w->name);
-            e->slots[handles[i] & 0xffffffff] = NULL;
-            free_work(w);
-        }
+    return RS_OK;
+}
+
+/* Under mu: the whole group at once, so that it negotiates in one round. */
+static void queue_all(rs_engine_t *e, const int64_t *handles, int n) {
+    for (int i = 0; i < n; i++) {
+        rs_work_t *w = work_of(e, handles[i]);
+        w->submitted_at = rs_now();
+        if (e->queue_tail)
+            e->queue_tail->next = w;
+        else
+            e->queue_head = w;
+        e->queue_tail = w;
     }
-    int wake = st == RS_OK && e->sleeping;
+}
+
+rs_status_t rs_engine_submit(rs_engine_t *e, const char **names, const rs_request_t *requests,
+                             int n, int64_t *handles) {
+    rs_status_t st;
+    int wake = 0;
+    pthread_mutex_lock(&e->mu);
+    RS_CHECK_GOTO(validate_all(e, names, requests, n), st, out);
+    RS_CHECK_GOTO(accept_all(e, names, requests, n, handles), st, out);
+    queue_all(e, handles, n);
+    wake = e->sleeping;
+out:
     pthread_mutex_unlock(&e->mu);
     if (wake)
         wake_thread(e);
@@ -621,58 +661,6 @@ int rs_engine_poll(rs_engine_t *e, int64_t handle) {
     int done = w ? w->done : -1;
     pthread_mutex_unlock(&e->mu);
     return done;
-}
-
-/* Under mu. A joined rank waits on the same-host lane instead of the condition variable:
- * it takes part in the others' blocking allreduces with zeros until the join completes. */
-static void wait_joined(rs_engine_t *e, rs_work_t *w, double until) {
-    for (double now = rs_now(); !w->done && now < until; now = rs_now()) {
-        pthread_mutex_unlock(&e->mu);
-        rs_direct_serve_joined(e->direct, until - now < 0.005 ? until - now : 0.005);
-        pthread_mutex_lock(&e->mu);
-    }
-}
-
-int rs_engine_has_lane(rs_engine_t *e) { return e->direct != NULL; }
-
-/* A blocking call on the same-host lane (see direct.c). */
-rs_status_t rs_engine_try_lane(rs_engine_t *e, const char *name, const rs_request_t *r,
-                                    int *ran) {
-    *ran = 0;
-    if (!e->direct || r->kind == RS_KIND_JOIN)
-        return RS_OK;
-    pthread_mutex_lock(&e->mu);
-    rs_status_t st = validate_all(e, &name, r, 1);
-    pthread_mutex_unlock(&e->mu);
-    if (st != RS_OK) {
-        *ran = 1;
-        return st;
-    }
-    rs_meta_t meta = meta_of(r);
-    size_t count = r->kind == RS_KIND_BARRIER ? 0 : 1;
-    for (int d = 0; d < meta.ndim; d++)
-        count *= (size_t)meta.shape[d];
-    char error[RS_ERROR_LEN] = "";
-    double start = rs_now();
-    st = rs_direct_run(e->direct, name, &meta, count, r->sendbuf, r->recvbuf, &e->failure, ran,
-                       error, sizeof error);
-    if (*ran && e->timeline.file)
-        rs_timeline_span(&e->timeline, name, "LANE", start, rs_now());
-    if (st == RS_ERR_COMM || st == RS_ERR_TIMEOUT || st == RS_ERR_SYSTEM) {
-        if (error[0])
-            engine_fail(e, st, error); /* tells the peers too */
-        pthread_mutex_lock(&e->mu);
-        snprintf(e->last_error, sizeof e->last_error, "%s", e->failure_text);
-        pthread_mutex_unlock(&e->mu);
-        return e->failure ? e->failure : st;
-    }
-    if (st != RS_OK) {
-        pthread_mutex_lock(&e->mu);
-        snprintf(e->last_error, sizeof e->last_error, "%s",
-                 error[0] ? error : e->comm->last_error);
-        pthread_mutex_unlock(&e->mu);
-    }
-    return st;
 }
 
 rs_status_t rs_engine_wait(rs_engine_t *e, int64_t handle, double timeout_seconds, int *done) {
@@ -689,15 +677,20 @@ rs_status_t rs_engine_wait(rs_engine_t *e, int64_t handle, double timeout_second
         if (e->sleeping)
             wake_thread(e);
     }
-    if (w && e->direct && w->meta.kind == RS_KIND_JOIN)
-        wait_joined(e, w, t);
+    if (w && e->direct && w->meta.kind == RS_KIND_JOIN) {
+        /* A joined rank serves the same-host lane while it waits: it takes part in the
+         * others' blocking allreduces with zeros until the join completes. */
+        pthread_mutex_unlock(&e->mu);
+        rs_direct_serve_joined(e->direct, &w->done, t);
+        pthread_mutex_lock(&e->mu);
+    }
     while (w && !w->done && pthread_cond_timedwait(&e->done_cv, &e->mu, &until) != ETIMEDOUT) {
     }
     if (w)
         st = w->done ? w->status : RS_OK;
     else
-        snprintf(e->last_error, sizeof e->last_error, "unknown or released handle %lld",
-                 (long long)handle);
+        rs_error_set(&e->error, RS_ERR_USAGE, "unknown or released handle %lld",
+                     (long long)handle);
     *done = w ? w->done : 0;
     pthread_mutex_unlock(&e->mu);
     return st;
@@ -739,7 +732,7 @@ void rs_engine_release(rs_engine_t *e, int64_t handle) {
     pthread_mutex_unlock(&e->mu);
 }
 
-const char *rs_engine_last_error(rs_engine_t *e) { return e->last_error; }
+const char *rs_engine_last_error(rs_engine_t *e) { return e->error.text; }
 
 static void stop_thread(rs_engine_t *e) {
     if (!e->thread_started)
@@ -765,9 +758,9 @@ rs_status_t rs_engine_shutdown(rs_engine_t *e) {
 }
 
 rs_status_t rs_engine_abort(rs_engine_t *e, const char *reason) {
-    /* engine_fail only shuts the sockets down (no close), which the engine thread,
+    /* rs_engine_fail only shuts the sockets down (no close), which the engine thread,
      * possibly blocked in poll on them, sees as a failed round. */
-    engine_fail(e, RS_ERR_COMM, reason ? reason : "aborted");
+    rs_engine_fail(e, RS_ERR_COMM, reason ? reason : "aborted");
     wake_thread(e);
     return RS_OK;
 }
@@ -777,10 +770,7 @@ void rs_engine_destroy(rs_engine_t *e) {
         return;
     stop_thread(e);
     pthread_mutex_lock(&e->mu);
-    if (!e->failure) {
-        e->failure = RS_ERR_COMM;
-        snprintf(e->failure_text, sizeof e->failure_text, "the engine was shut down");
-    }
+    set_failure_locked(e, RS_ERR_COMM, "the engine was shut down");
     for (int i = 0; i < e->nslots; i++)
         if (e->slots[i] && !e->slots[i]->done)
             fail_locked(e, e->slots[i]);
@@ -793,14 +783,43 @@ void rs_engine_destroy(rs_engine_t *e) {
 
 rs_status_t rs_engine_start_timeline(rs_engine_t *e, const char *path) {
     rs_status_t st = rs_timeline_start(&e->timeline, path);
-    if (st != RS_OK)
-        snprintf(e->last_error, sizeof e->last_error, "%s '%s'",
-                 st == RS_ERR_USAGE ? "a timeline is already being written; cannot start"
-                                    : "cannot open the timeline file (a symbolic link there is refused)", path);
+    if (st == RS_OK)
+        return RS_OK;
+    pthread_mutex_lock(&e->mu);
+    rs_error_set(&e->error, st, "%s '%s'", st == RS_ERR_USAGE
+                     ? "a timeline is already being written; cannot start"
+                     : "cannot open the timeline file (a symbolic link there is refused)", path);
+    pthread_mutex_unlock(&e->mu);
     return st;
 }
 
 rs_status_t rs_engine_stop_timeline(rs_engine_t *e) {
     rs_timeline_stop(&e->timeline);
     return RS_OK;
+}
+
+/* ---- lent to the same-host lane's glue (lane.c) ---- */
+
+rs_direct_t *rs_engine_lane(rs_engine_t *e) { return e->direct; }
+
+rs_comm_t *rs_engine_comm(rs_engine_t *e) { return e->comm; }
+
+const rs_status_t *rs_engine_failure(rs_engine_t *e) { return &e->failure.code; }
+
+rs_timeline_t *rs_engine_timeline(rs_engine_t *e) { return &e->timeline; }
+
+rs_status_t rs_engine_report(rs_engine_t *e, rs_status_t st, const char *text) {
+    pthread_mutex_lock(&e->mu);
+    rs_error_set(&e->error, st, "%s", text);
+    pthread_mutex_unlock(&e->mu);
+    return st;
+}
+
+rs_status_t rs_engine_report_failure(rs_engine_t *e, rs_status_t st) {
+    pthread_mutex_lock(&e->mu);
+    rs_error_copy(&e->error, &e->failure);
+    if (e->failure.code != RS_OK)
+        st = e->failure.code;
+    pthread_mutex_unlock(&e->mu);
+    return st;
 }

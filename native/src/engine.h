@@ -1,5 +1,7 @@
 /* Engine internals shared by engine.c (thread, handles), negotiate.c (who is ready),
- * execute.c (fusion and running collectives) and timeline.c. */
+ * execute.c (fusion and running collectives), timeline.c, direct.c (the same-host lane)
+ * and lane.c (the lane's glue, above the engine). Which thread writes which error record:
+ * see "Who touches what" in internal.h. */
 #ifndef RINGSYNC_ENGINE_H
 #define RINGSYNC_ENGINE_H
 
@@ -122,21 +124,48 @@ rs_status_t rs_execute(rs_executor_t *x, rs_pending_t **ready, int nready);
 rs_direct_t *rs_direct_create(rs_comm_t *comm, int area, double spin_seconds,
                               double stall_seconds, size_t max_bytes);
 void rs_direct_free(rs_direct_t *d);
+/* One thread at a time runs a lane operation: the caller holds the lane from before
+ * rs_direct_run until it has read rs_direct_error. */
+void rs_direct_lock(rs_direct_t *d);
+void rs_direct_unlock(rs_direct_t *d);
+/* Why the lane's last operation failed; code RS_OK when the failure was not the lane's to
+ * word (the engine's failure, or the communicator's record). */
+const rs_error_t *rs_direct_error(const rs_direct_t *d);
 /* Post, wait for every rank's post, check agreement and, for a small allreduce, reduce.
- * *ran = 0: every rank found that the engine must run it (too large, another kind). A non-zero *failure
- * (the engine's) ends the wait with that status; other errors are written to `error`. */
+ * *ran = 0: every rank found that the engine must run it (too large, another kind). A
+ * non-zero *failure (the engine's, read atomically) ends the wait with that status. */
 rs_status_t rs_direct_run(rs_direct_t *d, const char *name, const rs_meta_t *meta,
                           size_t count, const void *sendbuf, void *recvbuf,
-                          const rs_status_t *failure, int *ran, char *error, size_t cap);
+                          const rs_status_t *failure, int *ran);
 /* Allreduce through the shared segments in chunks: each rank reduces its slice of every
  * rank's chunk, then copies the others' reduced slices (one thread per rank, in an order
- * the ranks agreed on: the engine's executor, after negotiation). */
+ * the ranks agreed on: the engine's executor, after negotiation, on an instance that only
+ * the engine thread uses, so without the lock). */
 rs_status_t rs_direct_staged_allreduce(rs_direct_t *d, const void *sendbuf, void *recvbuf,
-                                       size_t count, const rs_meta_t *meta, char *error,
-                                       size_t cap);
-/* A joined rank: post zeros for every allreduce the others have posted, then sleep up to
- * `seconds` for the next post. */
-void rs_direct_serve_joined(rs_direct_t *d, double seconds);
+                                       size_t count, const rs_meta_t *meta);
+/* A joined rank, until *done (read atomically) or `until` (rs_now() time): post zeros for
+ * every allreduce the others post. Takes the lane a slice at a time. */
+void rs_direct_serve_joined(rs_direct_t *d, const int *done, double until);
 
+/* ---- what the engine lends the same-host lane's glue (lane.c, above engine.c) ---- */
+/* The engine's lane (rs_direct_create at engine creation), or NULL. */
+rs_direct_t *rs_engine_lane(rs_engine_t *e);
+rs_comm_t *rs_engine_comm(rs_engine_t *e);
+/* The metadata every rank compares for a request (unused fields zeroed). */
+rs_meta_t rs_request_meta(const rs_request_t *r);
+/* Check a request as rs_engine_submit would (a calling thread: a refusal goes into the
+ * engine's error record). */
+rs_status_t rs_engine_validate(rs_engine_t *e, const char *name, const rs_request_t *r);
+/* The engine's failure code, for a waiter's atomic look (0 until the engine fails). */
+const rs_status_t *rs_engine_failure(rs_engine_t *e);
+/* Fail the engine (the first failure sticks) and abort the communicator, which tells the
+ * peers. Any thread. */
+void rs_engine_fail(rs_engine_t *e, rs_status_t st, const char *text);
+/* A calling thread records why its call failed in the engine's error record; returns st. */
+rs_status_t rs_engine_report(rs_engine_t *e, rs_status_t st, const char *text);
+/* A calling thread's call ended by the engine's failure: the failure goes into the
+ * engine's error record; returns its code (st if the engine has not failed). */
+rs_status_t rs_engine_report_failure(rs_engine_t *e, rs_status_t st);
+rs_timeline_t *rs_engine_timeline(rs_engine_t *e);
 
 #endif

@@ -45,11 +45,10 @@ static rs_status_t reduce_buffer(rs_executor_t *x, const void *send, void *recv,
     if (!x->staged || count * rs_dtype_size(m->dtype) < x->staged_min_bytes)
         return rs_allreduce(x->comm, send, recv, count, m->dtype, m->op, m->prescale,
                             m->postscale);
-    char error[RS_ERROR_LEN] = "";
-    rs_status_t st = rs_direct_staged_allreduce(x->staged, send, recv, count, m, error,
-                                                sizeof error);
-    if (st != RS_OK && error[0])
-        rs_fail(x->comm, st, "%s", error);
+    rs_status_t st = rs_direct_staged_allreduce(x->staged, send, recv, count, m);
+    const rs_error_t *why = rs_direct_error(x->staged); /* the engine thread's instance */
+    if (st != RS_OK && why->code != RS_OK)
+        rs_fail(x->comm, st, "%s", why->text);
     return st;
 }
 
@@ -116,18 +115,37 @@ static rs_status_t run_allgather(rs_executor_t *x, rs_pending_t *p) {
     }
     size_t bytes = (size_t)(rows * row_elements(m)) * elem;
     void *out = malloc(bytes ? bytes : 1);
-    rs_status_t st = out ? RS_OK : rs_fail(comm, RS_ERR_NOMEM, "cannot allocate %zu bytes", bytes);
     double start = rs_now();
-    if (st == RS_OK)
-        st = rs_allgatherv(comm, p->mine->sendbuf, out, counts, elem);
-    span(x, p, "RING", start);
-    free(counts);
-    if (st != RS_OK) {
-        free(out);
-        return st;
-    }
+    rs_status_t st;
+    if (!out)
+        RS_CHECK_GOTO(rs_fail(comm, RS_ERR_NOMEM, "cannot allocate %zu bytes", bytes), st, done);
+    RS_CHECK_GOTO(rs_allgatherv(comm, p->mine->sendbuf, out, counts, elem), st, done);
     p->mine->result = out;
     p->mine->result_rows = rows;
+    out = NULL; /* the request's now */
+done:
+    span(x, p, "RING", start);
+    free(counts);
+    free(out);
+    return st;
+}
+
+/* Every rank's row count for us, and the bytes they come to (refused if more than can be
+ * received: the counts are a peer's word). */
+static rs_status_t alltoall_counts(rs_executor_t *x, rs_pending_t *p, size_t row_bytes,
+                                   int64_t *eights, int64_t *recv_rows, int64_t *recv_bytes,
+                                   int64_t *total) {
+    rs_comm_t *comm = x->comm;
+    for (int r = 0; r < comm->size; r++)
+        eights[r] = 8;
+    RS_CHECK(rs_alltoallv(comm, p->mine->splits, eights, recv_rows, eights));
+    *total = 0;
+    for (int r = 0; r < comm->size; r++)
+        if (rs_mul_checked(recv_rows[r], (int64_t)row_bytes, &recv_bytes[r]) != 0 ||
+            rs_add_checked(*total, recv_bytes[r], total) != 0)
+            return rs_fail(comm, RS_ERR_COMM, "rank %d: alltoall '%s': rank %d announced %lld "
+                           "rows of %zu bytes, more than can be received", comm->rank, p->name,
+                           r, (long long)recv_rows[r], row_bytes);
     return RS_OK;
 }
 
@@ -138,42 +156,33 @@ static rs_status_t run_alltoall(rs_executor_t *x, rs_pending_t *p) {
     size_t n = (size_t)comm->size, row_bytes = (size_t)row_elements(&w->meta) *
                                                 rs_dtype_size(w->meta.dtype);
     int64_t *eights = malloc(n * 8), *recv_rows = malloc(n * 8), *send_bytes = malloc(n * 8),
-            *recv_bytes = malloc(n * 8);
-    rs_status_t st = eights && recv_rows && send_bytes && recv_bytes
-                         ? RS_OK : rs_fail(comm, RS_ERR_NOMEM, "out of memory");
-    for (size_t r = 0; st == RS_OK && r < n; r++)
-        eights[r] = 8;
+            *recv_bytes = malloc(n * 8), total = 0, rows = 0;
+    void *out = NULL;
     double start = rs_now();
-    if (st == RS_OK)
-        st = rs_alltoallv(comm, w->splits, eights, recv_rows, eights);
-    int64_t rows = 0, total = 0;
-    for (size_t r = 0; st == RS_OK && r < n; r++) {
+    rs_status_t st;
+    if (!eights || !recv_rows || !send_bytes || !recv_bytes)
+        RS_CHECK_GOTO(rs_fail(comm, RS_ERR_NOMEM, "out of memory"), st, done);
+    RS_CHECK_GOTO(alltoall_counts(x, p, row_bytes, eights, recv_rows, recv_bytes, &total), st,
+                  done);
+    for (size_t r = 0; r < n; r++) {
         send_bytes[r] = w->splits[r] * (int64_t)row_bytes; /* validated at submission */
-        if (rs_mul_checked(recv_rows[r], (int64_t)row_bytes, &recv_bytes[r]) != 0 ||
-            rs_add_checked(total, recv_bytes[r], &total) != 0)
-            st = rs_fail(comm, RS_ERR_COMM, "rank %d: alltoall '%s': rank %zu announced %lld "
-                         "rows of %zu bytes, more than can be received", comm->rank, p->name, r,
-                         (long long)recv_rows[r], row_bytes);
         rows += recv_rows[r];
     }
-    void *out = st == RS_OK ? malloc((size_t)total + 1) : NULL;
-    if (st == RS_OK && !out)
-        st = rs_fail(comm, RS_ERR_NOMEM, "out of memory");
-    if (st == RS_OK)
-        st = rs_alltoallv(comm, w->sendbuf, send_bytes, out, recv_bytes);
+    if (!(out = malloc((size_t)total + 1)))
+        RS_CHECK_GOTO(rs_fail(comm, RS_ERR_NOMEM, "out of memory"), st, done);
+    RS_CHECK_GOTO(rs_alltoallv(comm, w->sendbuf, send_bytes, out, recv_bytes), st, done);
+    w->result = out;
+    w->result_rows = rows;
+    w->result_splits = recv_rows;
+    out = recv_rows = NULL; /* the request's now */
+done:
     span(x, p, "RING", start);
     free(eights);
     free(send_bytes);
     free(recv_bytes);
-    if (st != RS_OK) {
-        free(out);
-        free(recv_rows);
-        return st;
-    }
-    w->result = out;
-    w->result_rows = rows;
-    w->result_splits = recv_rows;
-    return RS_OK;
+    free(recv_rows);
+    free(out);
+    return st;
 }
 
 static rs_status_t run_reducescatter(rs_executor_t *x, rs_pending_t *p) {
@@ -222,17 +231,20 @@ static rs_status_t run_single(rs_executor_t *x, rs_pending_t *p) {
  * next negotiation: the communicator is broken on every rank (the engine aborts it, which
  * tells the peers), and nothing is returned as valid. */
 static rs_status_t settle(rs_executor_t *x, rs_pending_t **group, int n, rs_status_t st) {
+    rs_error_t why;
     if (st != RS_OK && st != RS_ERR_COMM && st != RS_ERR_TIMEOUT) {
-        char why[RS_ERROR_LEN];
-        snprintf(why, sizeof why, "%s", x->comm->last_error);
+        rs_comm_error(x->comm, &why);
         st = rs_fail(x->comm, RS_ERR_COMM, "rank %d: %s '%s' failed while running (%s); the "
                      "communicator is broken, its peers may be mid-transfer",
-                     x->comm->rank, rs_kind_name(group[0]->metas[0].kind), group[0]->name, why);
+                     x->comm->rank, rs_kind_name(group[0]->metas[0].kind), group[0]->name,
+                     why.text);
     }
+    if (st != RS_OK)
+        rs_comm_error(x->comm, &why);
     for (int i = 0; i < n; i++) {
         group[i]->mine->status = st;
         if (st != RS_OK)
-            group[i]->mine->error = strdup(x->comm->last_error);
+            group[i]->mine->error = strdup(why.text);
     }
     return st;
 }

@@ -5,17 +5,9 @@
 #include <pthread.h>
 
 #include "ringsync.h"
+#include "status.h" /* rs_error_t, RS_CHECK, RS_CHECK_GOTO */
 
 #define RS_VERSION "0.1.0"
-#define RS_ERROR_LEN 1024
-
-/* Propagate a non-OK status to the caller (NCCL-style check macro). */
-#define RS_CHECK(expr)                       \
-    do {                                     \
-        rs_status_t rs_check_st_ = (expr);   \
-        if (rs_check_st_ != RS_OK)           \
-            return rs_check_st_;             \
-    } while (0)
 
 /* One wait request handed to a transport's poll: which peer, which direction. */
 typedef struct {
@@ -83,7 +75,26 @@ rs_status_t rs_finish_scale(rs_comm_t *comm, void *buf, size_t count, rs_dtype_t
  * the engine thread, except for what the transport table says any thread may call
  * (peer_state, shared_area, abort) and the same-host lane's own areas (direct.c), which
  * the calling threads use one at a time. `broken` is read and written atomically by any
- * thread; `last_error` is written under error_mu (rs_fail) by any thread. */
+ * thread.
+ *
+ * Errors travel as a status code, with the words in the record (rs_error_t, status.h)
+ * of the actor that failed. The records, and which thread writes each:
+ *  - the communicator's `error`: any thread (the engine thread, a caller on the
+ *    same-host lane, an abort) through rs_fail, under error_mu; read whole with
+ *    rs_comm_error (also under error_mu), or by the caller of the call that failed
+ *    (rs_comm_last_error).
+ *  - the engine's `error` (engine.c): usage errors and failed waits, written only by the
+ *    threads that call the engine, under the engine's mutex; never by the engine thread.
+ *    The engine's `failure` (the first fatal error, which every later request fails with)
+ *    is written once, by whichever thread fails the engine, also under the mutex.
+ *  - the lane's `error` (direct.c): the thread that holds the lane's lock (the executor's
+ *    staged instance belongs to the engine thread alone, without the lock). The lane's
+ *    glue (lane.c) copies it before it lets the lane go, then fails the engine or writes
+ *    the engine's `error`.
+ * A request's text (rs_work_t.error) is its result, not a channel: set with its status
+ * before the request is marked done under the engine's mutex, read only after. Text that
+ * only builds a message (rs_peer_gone_text, rs_format_ranks) is no channel either: the
+ * caller records the error. */
 struct rs_comm {
     int rank;
     int size;
@@ -96,8 +107,8 @@ struct rs_comm {
     void *transport_state;
     char **host_names; /* per rank, for error messages */
     int broken;        /* atomic: set by rs_fail for recoverable errors, never cleared */
-    pthread_mutex_t error_mu; /* one writer of last_error at a time */
-    char last_error[RS_ERROR_LEN];
+    pthread_mutex_t error_mu; /* one writer (or whole-record reader) of `error` at a time */
+    rs_error_t error;         /* the last failure, in words (rs_fail) */
     void *scratch; /* grows on demand; owned by the communicator, not global */
     size_t scratch_bytes;
     int wake_fd; /* an engine's self-pipe, polled while idle (-1: none) */
@@ -111,6 +122,9 @@ struct rs_comm {
 /* Record an error in words; recoverable kinds also mark the communicator broken. */
 rs_status_t rs_fail(rs_comm_t *comm, rs_status_t status, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+/* A consistent copy of the communicator's error record (another thread may be writing
+ * it); returns its code. */
+rs_status_t rs_comm_error(rs_comm_t *comm, rs_error_t *out);
 const char *rs_peer_host(const rs_comm_t *comm, int peer);
 double rs_now(void);
 /* Fail with a message that tells a lost peer from one that aborted. */

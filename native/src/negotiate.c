@@ -244,7 +244,8 @@ static rs_status_t decode_entries(rs_comm_t *comm, rs_negotiator_t *n, int r, co
                                   size_t bytes, const rs_map_t *mine, pending_list_t *touched,
                                   double now) {
     const char *at = data, *end = data + bytes;
-    char name[RS_MAX_NAME_LEN + 1], why[512];
+    char name[RS_MAX_NAME_LEN + 1];
+    rs_error_t why;
     while (at < end) {
         entry_header_t h;
         if ((size_t)(end - at) < sizeof h)
@@ -258,8 +259,8 @@ static rs_status_t decode_entries(rs_comm_t *comm, rs_negotiator_t *n, int r, co
         memcpy(name, at, h.name_len);
         name[h.name_len] = '\0';
         at += h.name_len;
-        if (rs_meta_check(&h.meta, n->size, why, sizeof why, NULL, NULL) != 0)
-            return malformed(comm, r, "tensor '%s': %s", name, why);
+        if (rs_meta_check(&h.meta, n->size, &why, NULL, NULL) != RS_OK)
+            return malformed(comm, r, "tensor '%s': %s", name, why.text);
         int id = cache_id(n, name);
         if (id >= 0)
             n->cache_valid[id] = 0; /* its metadata changed: every rank drops it alike */
@@ -350,6 +351,24 @@ static rs_status_t exchange(rs_comm_t *comm, rs_negotiator_t *n, const uint64_t 
     return RS_OK;
 }
 
+/* Record what every rank sent this round: cache bits, then new entries. */
+static rs_status_t decode_round(rs_comm_t *comm, rs_negotiator_t *n, const char *gathered_bits,
+                                const char *entries, const int64_t *sizes, size_t words,
+                                const rs_map_t *mine, pending_list_t *touched) {
+    double now = rs_now();
+    size_t record_bytes = sizeof(round_header_t) + words * 8;
+    for (int r = 0; r < n->size; r++) {
+        const uint64_t *rank_bits = (const uint64_t *)(gathered_bits + (size_t)r * record_bytes +
+                                                       sizeof(round_header_t));
+        RS_CHECK(decode_bits(comm, n, r, rank_bits, words, mine, touched, now));
+        if (sizes[r] > 0) {
+            RS_CHECK(decode_entries(comm, n, r, entries, (size_t)sizes[r], mine, touched, now));
+            entries += sizes[r];
+        }
+    }
+    return RS_OK;
+}
+
 rs_status_t rs_negotiate(rs_comm_t *comm, rs_negotiator_t *n, rs_work_t **batch, int nbatch,
                          rs_pending_t ***ready, int *nready) {
     size_t words = bitset_words(n);
@@ -359,29 +378,18 @@ rs_status_t rs_negotiate(rs_comm_t *comm, rs_negotiator_t *n, rs_work_t **batch,
     int64_t *sizes = NULL;
     pending_list_t touched = {0};
     size_t payload_bytes = 0;
-    rs_status_t st = bits ? RS_OK : RS_ERR_NOMEM;
-    for (int i = 0; st == RS_OK && i < nbatch; i++)
-        if (rs_map_put(&mine, batch[i]->name, batch[i]) != 0)
-            st = RS_ERR_NOMEM;
-    if (st == RS_OK)
-        st = encode(n, batch, nbatch, bits, &payload, &payload_bytes);
-    if (st == RS_OK)
-        st = exchange(comm, n, bits, words, payload, payload_bytes, &gathered_bits,
-                      &gathered_payload, &sizes);
-    double now = rs_now();
-    size_t record_bytes = sizeof(round_header_t) + words * 8;
-    const char *entries = gathered_payload;
-    for (int r = 0; st == RS_OK && r < n->size; r++) {
-        const uint64_t *rank_bits = (const uint64_t *)(gathered_bits + (size_t)r * record_bytes +
-                                                       sizeof(round_header_t));
-        st = decode_bits(comm, n, r, rank_bits, words, &mine, &touched, now);
-        if (st == RS_OK && sizes[r] > 0) {
-            st = decode_entries(comm, n, r, entries, (size_t)sizes[r], &mine, &touched, now);
-            entries += sizes[r];
-        }
-    }
-    if (st == RS_OK)
-        st = collect_ready(n, &touched, ready, nready);
+    rs_status_t st;
+    RS_CHECK_GOTO(bits ? RS_OK : RS_ERR_NOMEM, st, out);
+    for (int i = 0; i < nbatch; i++)
+        RS_CHECK_GOTO(rs_map_put(&mine, batch[i]->name, batch[i]) == 0 ? RS_OK : RS_ERR_NOMEM,
+                      st, out);
+    RS_CHECK_GOTO(encode(n, batch, nbatch, bits, &payload, &payload_bytes), st, out);
+    RS_CHECK_GOTO(exchange(comm, n, bits, words, payload, payload_bytes, &gathered_bits,
+                           &gathered_payload, &sizes), st, out);
+    RS_CHECK_GOTO(decode_round(comm, n, gathered_bits, gathered_payload, sizes, words, &mine,
+                               &touched), st, out);
+    st = collect_ready(n, &touched, ready, nready);
+out:
     if (st == RS_ERR_NOMEM)
         st = rs_fail(comm, RS_ERR_COMM, "rank %d: out of memory while negotiating", comm->rank);
     free(bits);

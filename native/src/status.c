@@ -1,6 +1,6 @@
-/* Status and errors of a communicator: the last-error text, the broken flag, the clock,
- * peer host names and scratch memory. At the bottom of the core with util.c: it calls no
- * transport and no algorithm. */
+/* Errors and status: the error record (status.h) and, for a communicator, its error
+ * record, the broken flag, the clock, peer host names and scratch memory. At the bottom of
+ * the core with util.c: it calls no transport and no algorithm. */
 #define _GNU_SOURCE
 #include <stdarg.h>
 #include <stdio.h>
@@ -19,16 +19,52 @@ double rs_now(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+/* ---- the error record ---- */
+
+rs_status_t rs_error_vset(rs_error_t *err, rs_status_t code, const char *fmt, va_list ap) {
+    err->code = code;
+    vsnprintf(err->text, sizeof err->text, fmt, ap);
+    return code;
+}
+
+rs_status_t rs_error_set(rs_error_t *err, rs_status_t code, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    rs_error_vset(err, code, fmt, ap);
+    va_end(ap);
+    return code;
+}
+
+rs_status_t rs_error_copy(rs_error_t *to, const rs_error_t *from) {
+    if (to != from)
+        memcpy(to, from, sizeof *to);
+    return to->code;
+}
+
+void rs_error_clear(rs_error_t *err) {
+    err->code = RS_OK;
+    err->text[0] = '\0';
+}
+
+/* ---- the communicator's record ---- */
+
 rs_status_t rs_fail(rs_comm_t *comm, rs_status_t status, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     pthread_mutex_lock(&comm->error_mu);
-    vsnprintf(comm->last_error, sizeof comm->last_error, fmt, ap);
+    rs_error_vset(&comm->error, status, fmt, ap);
     pthread_mutex_unlock(&comm->error_mu);
     va_end(ap);
     if (status == RS_ERR_COMM || status == RS_ERR_TIMEOUT)
         __atomic_store_n(&comm->broken, 1, __ATOMIC_RELEASE); /* read by other threads */
     return status;
+}
+
+rs_status_t rs_comm_error(rs_comm_t *comm, rs_error_t *out) {
+    pthread_mutex_lock(&comm->error_mu);
+    rs_error_copy(out, &comm->error);
+    pthread_mutex_unlock(&comm->error_mu);
+    return out->code;
 }
 
 const char *rs_peer_host(const rs_comm_t *comm, int peer) {
@@ -49,7 +85,7 @@ rs_status_t rs_scratch(rs_comm_t *comm, size_t bytes, void **out) {
     return RS_OK;
 }
 
-const char *rs_comm_last_error(const rs_comm_t *comm) { return comm->last_error; }
+const char *rs_comm_last_error(const rs_comm_t *comm) { return comm->error.text; }
 int rs_comm_rank(const rs_comm_t *comm) { return comm->rank; }
 int rs_comm_size(const rs_comm_t *comm) { return comm->size; }
 int rs_comm_is_broken(const rs_comm_t *comm) {

@@ -418,19 +418,21 @@ rs_status_t rs_shm_setup(rs_comm_t *comm, int required) {
     if (comm->shm->index[comm->rank] == 0) /* one scan per host and job is enough */
         remove_orphans();
     /* The setup barriers run over TCP: the hybrid table is installed only after. */
-    rs_status_t st = attach(comm, &failed, &error);
-    if (st != RS_OK)
-        remove_peer_segments(comm);
-    else if (failed >= 0)
-        st = refuse(comm, required, failed, error);
-    if (st != RS_OK || failed >= 0) {
-        shm_release(comm); /* comm->shm stays NULL on TCP: the lane looks at it */
-        return st;
+    rs_status_t st;
+    RS_CHECK_GOTO(attach(comm, &failed, &error), st, detach);
+    if (failed >= 0) {
+        st = refuse(comm, required, failed, error); /* RS_OK: TCP it is (a warning) */
+        goto release;
     }
     wire_rings(comm);
     comm->shm->below = comm->transport;
     comm->transport = &rs_shm_transport;
     return RS_OK;
+detach:
+    remove_peer_segments(comm);
+release:
+    shm_release(comm); /* comm->shm stays NULL on TCP: the lane looks at it */
+    return st;
 }
 
 /* ---- the fast lane's areas ---- */
@@ -577,20 +579,21 @@ static rs_status_t shm_poll(rs_comm_t *comm, rs_wait_t *waits, int n, int timeou
         if (is_local(comm, waits[k].peer))
             socket_waits[k].want_read = 1, socket_waits[k].want_write = 0;
     }
-    rs_status_t st = comm->shm->below->poll(comm, socket_waits, n, timeout_ms, lost_peer);
-    for (int k = 0; st == RS_OK && k < n; k++) {
+    rs_status_t st;
+    RS_CHECK_GOTO(comm->shm->below->poll(comm, socket_waits, n, timeout_ms, lost_peer), st, out);
+    for (int k = 0; k < n; k++) {
         if (!is_local(comm, waits[k].peer)) {
             waits[k].ready = socket_waits[k].ready;
             continue;
         }
         if (socket_waits[k].ready)
-            st = drain_doorbells(comm, waits[k].peer);
+            RS_CHECK_GOTO(drain_doorbells(comm, waits[k].peer), st, out);
     }
+    mark_shm_ready(comm, waits, n, 0);
+out:
     if (socket_waits != stack_waits)
         free(socket_waits);
-    RS_CHECK(st);
-    mark_shm_ready(comm, waits, n, 0);
-    return RS_OK;
+    return st;
 }
 
 static void shm_abort(rs_comm_t *comm) { comm->shm->below->abort(comm); }
