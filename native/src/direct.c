@@ -54,7 +54,7 @@ typedef struct {
     char pad1[56];
     uint64_t name_hash;
     int32_t flags;
-    int32_t reserved;
+    uint32_t epoch; /* joins the poster had completed: a joined rank serves its own epoch */
     uint64_t bytes;
     rs_meta_t meta;
     char name[RS_MAX_NAME_LEN + 1]; /* whole: the hash only rules out a match quickly */
@@ -82,6 +82,7 @@ struct rs_direct {
      * staged instance needs none: only the engine thread uses it. */
     pthread_mutex_t mu;
     rs_error_t error; /* why the last operation failed: written by the thread holding mu */
+    uint32_t serving; /* a joined rank's wait: the epoch it serves (under mu) */
 };
 
 rs_direct_t *rs_direct_create(rs_comm_t *comm, int area, double spin_seconds,
@@ -338,7 +339,8 @@ static rs_status_t reduce_posts(rs_direct_t *d, uint64_t seq, const rs_meta_t *m
 }
 
 static void fill_header(post_t *post, const char *name, const rs_meta_t *meta, size_t bytes,
-                        int flags) {
+                        int flags, uint32_t epoch) {
+    post->epoch = epoch;
     snprintf(post->name, sizeof post->name, "%.*s", RS_MAX_NAME_LEN, name);
     post->name_hash = rs_fnv1a(post->name, strlen(post->name));
     post->meta = *meta;
@@ -371,13 +373,13 @@ static rs_status_t staged_allreduce(rs_direct_t *d, const void *sendbuf, void *r
 
 rs_status_t rs_direct_run(rs_direct_t *d, const char *name, const rs_meta_t *meta,
                           size_t count, const void *sendbuf, void *recvbuf,
-                          const rs_status_t *failure, int *ran) {
+                          const rs_status_t *failure, uint32_t epoch, int *ran) {
     size_t bytes = count * rs_dtype_size(meta->dtype);
     int flags = post_flags(d, meta, bytes);
     rs_error_clear(&d->error);
     uint64_t seq = ++d->seq;
     post_t *post = &d->areas[d->comm->rank]->posts[seq & 1];
-    fill_header(post, name, meta, bytes, flags);
+    fill_header(post, name, meta, bytes, flags, epoch);
     rs_status_t scaled = RS_OK;
     if ((flags & POST_DATA) && bytes) {
         memcpy(post->data, sendbuf, bytes);
@@ -401,9 +403,18 @@ rs_status_t rs_direct_run(rs_direct_t *d, const char *name, const rs_meta_t *met
 
 /* ---- a joined rank ---- */
 
+/* A peer's post for operation seq made during the join this rank serves (d->serving).
+ * A post from a later epoch was made after the join completed on its poster: it belongs
+ * to this rank's own next call, which the join's completion here will soon allow. */
+static int posted_in_epoch(const rs_direct_t *d, int rank, uint64_t seq) {
+    return posted(d, rank, seq) &&
+           __atomic_load_n(&d->areas[rank]->posts[seq & 1].epoch, __ATOMIC_RELAXED) ==
+               d->serving;
+}
+
 static int next_posted_by_any(const rs_direct_t *d, uint64_t seq) {
     for (int r = 0; r < d->comm->size; r++)
-        if (r != d->comm->rank && posted(d, r, seq))
+        if (r != d->comm->rank && posted_in_epoch(d, r, seq))
             return 1;
     return 0;
 }
@@ -427,7 +438,7 @@ static void serve_posts(rs_direct_t *d) {
         uint64_t seq = d->seq + 1;
         int from = -1;
         for (int r = 0; r < d->comm->size && from < 0; r++)
-            if (r != d->comm->rank && posted(d, r, seq))
+            if (r != d->comm->rank && posted_in_epoch(d, r, seq))
                 from = r;
         if (from < 0)
             return;
@@ -442,7 +453,7 @@ static void serve_posts(rs_direct_t *d) {
         if (rs_meta_check(&meta, d->comm->size, &why, NULL, &bytes) != RS_OK ||
             ((flags & POST_DATA) && (size_t)bytes > RS_DIRECT_MAX_BYTES))
             flags = POST_USE_ENGINE;
-        fill_header(mine, theirs->name, &meta, (size_t)bytes, flags);
+        fill_header(mine, theirs->name, &meta, (size_t)bytes, flags, d->serving);
         if (flags & POST_DATA)
             memset(mine->data, 0, (size_t)bytes);
         publish(d, &mine->seq, seq);
@@ -452,10 +463,11 @@ static void serve_posts(rs_direct_t *d) {
     }
 }
 
-void rs_direct_serve_joined(rs_direct_t *d, const int *done, double until) {
+void rs_direct_serve_joined(rs_direct_t *d, const int *done, uint32_t epoch, double until) {
     for (double now = rs_now(); !__atomic_load_n(done, __ATOMIC_ACQUIRE) && now < until;
          now = rs_now()) {
         pthread_mutex_lock(&d->mu); /* a slice at a time: other callers get their turn */
+        d->serving = epoch;
         serve_posts(d);
         double left = until - now;
         doze(d, left < SLICE_SECONDS ? left : SLICE_SECONDS, next_posted_by_any, d->seq + 1);

@@ -40,6 +40,10 @@ struct rs_engine {
     /* Why a calling thread's last call failed (rs_engine_last_error): written by calling
      * threads only, never by the engine thread. */
     rs_error_t error;
+    /* Joins completed on this rank: written by the engine thread (under mu, before the
+     * join's handle is done), read atomically by lane callers, which tag their posts with
+     * it (see rs_direct_serve_joined). */
+    uint32_t joins;
 
     /* the engine thread's own */
     rs_negotiator_t negotiator;
@@ -266,8 +270,10 @@ static void complete_ready(rs_engine_t *e, rs_pending_t **ready, int nready, rs_
             free_work(w);
             continue;
         }
-        if (w->meta.kind == RS_KIND_JOIN)
+        if (w->meta.kind == RS_KIND_JOIN) {
             w->result_rows = ready[i]->last_rank;
+            __atomic_add_fetch(&e->joins, 1, __ATOMIC_RELEASE);
+        }
         if (w->status == (rs_status_t)-1) { /* not run: a failure stopped the round */
             w->status = st;
             w->error = strdup(why.text);
@@ -680,8 +686,9 @@ rs_status_t rs_engine_wait(rs_engine_t *e, int64_t handle, double timeout_second
     if (w && e->direct && w->meta.kind == RS_KIND_JOIN) {
         /* A joined rank serves the same-host lane while it waits: it takes part in the
          * others' blocking allreduces with zeros until the join completes. */
+        uint32_t epoch = e->joins; /* this join's: it has not completed (w not done) */
         pthread_mutex_unlock(&e->mu);
-        rs_direct_serve_joined(e->direct, &w->done, t);
+        rs_direct_serve_joined(e->direct, &w->done, epoch, t);
         pthread_mutex_lock(&e->mu);
     }
     while (w && !w->done && pthread_cond_timedwait(&e->done_cv, &e->mu, &until) != ETIMEDOUT) {
@@ -805,6 +812,8 @@ rs_direct_t *rs_engine_lane(rs_engine_t *e) { return e->direct; }
 rs_comm_t *rs_engine_comm(rs_engine_t *e) { return e->comm; }
 
 const rs_status_t *rs_engine_failure(rs_engine_t *e) { return &e->failure.code; }
+
+uint32_t rs_engine_joins(rs_engine_t *e) { return __atomic_load_n(&e->joins, __ATOMIC_ACQUIRE); }
 
 rs_timeline_t *rs_engine_timeline(rs_engine_t *e) { return &e->timeline; }
 

@@ -136,7 +136,7 @@ const rs_error_t *rs_direct_error(const rs_direct_t *d);
  * non-zero *failure (the engine's, read atomically) ends the wait with that status. */
 rs_status_t rs_direct_run(rs_direct_t *d, const char *name, const rs_meta_t *meta,
                           size_t count, const void *sendbuf, void *recvbuf,
-                          const rs_status_t *failure, int *ran);
+                          const rs_status_t *failure, uint32_t epoch, int *ran);
 /* Allreduce through the shared segments in chunks: each rank reduces its slice of every
  * rank's chunk, then copies the others' reduced slices (one thread per rank, in an order
  * the ranks agreed on: the engine's executor, after negotiation, on an instance that only
@@ -144,8 +144,10 @@ rs_status_t rs_direct_run(rs_direct_t *d, const char *name, const rs_meta_t *met
 rs_status_t rs_direct_staged_allreduce(rs_direct_t *d, const void *sendbuf, void *recvbuf,
                                        size_t count, const rs_meta_t *meta);
 /* A joined rank, until *done (read atomically) or `until` (rs_now() time): post zeros for
- * every allreduce the others post. Takes the lane a slice at a time. */
-void rs_direct_serve_joined(rs_direct_t *d, const int *done, double until);
+ * every allreduce the others post during join number `epoch` (posts carry the poster's
+ * count of completed joins: one made after the join completed is left for this rank's own
+ * next call). Takes the lane a slice at a time. */
+void rs_direct_serve_joined(rs_direct_t *d, const int *done, uint32_t epoch, double until);
 
 /* ---- what the engine lends the same-host lane's glue (lane.c, above engine.c) ---- */
 /* The engine's lane (rs_direct_create at engine creation), or NULL. */
@@ -158,6 +160,8 @@ rs_meta_t rs_request_meta(const rs_request_t *r);
 rs_status_t rs_engine_validate(rs_engine_t *e, const char *name, const rs_request_t *r);
 /* The engine's failure code, for a waiter's atomic look (0 until the engine fails). */
 const rs_status_t *rs_engine_failure(rs_engine_t *e);
+/* Joins this rank has completed (read atomically): the epoch that lane posts carry. */
+uint32_t rs_engine_joins(rs_engine_t *e);
 /* Fail the engine (the first failure sticks) and abort the communicator, which tells the
  * peers. Any thread. */
 void rs_engine_fail(rs_engine_t *e, rs_status_t st, const char *text);

@@ -48,7 +48,7 @@ rs_status_t rs_engine_try_lane(rs_engine_t *e, const char *name, const rs_reques
     double start = rs_now();
     rs_direct_lock(lane);
     st = rs_direct_run(lane, name, &meta, element_count(&meta), r->sendbuf, r->recvbuf,
-                       rs_engine_failure(e), ran);
+                       rs_engine_failure(e), rs_engine_joins(e), ran);
     if (st != RS_OK)
         rs_error_copy(&why, rs_direct_error(lane)); /* before another thread's call */
     rs_direct_unlock(lane);

@@ -219,3 +219,30 @@ def test_communicator_takes_a_rendezvous_or_an_mpi_comm_not_both():
         assert comm.allreduce(np.arange(3.0), op=rs.Sum).tolist() == [0.0, 1.0, 2.0]
     finally:
         comm.shutdown()
+
+
+def _join_then_blocking_calls(comm, rounds):
+    """Each round, rank r makes 1 + (r + round) % size blocking allreduces (on the same-host
+    lane), joins, then makes a blocking broadcast; every result is checked."""
+    me, size = comm.rank(), comm.size()
+    for rnd in range(rounds):
+        steps = 1 + (me + rnd) % size
+        for step in range(steps):
+            out = comm.allreduce(np.full(4, me + 1.0, np.float32), op=rs.Sum,
+                                 name=f"grad.{rnd}.{step}")
+            active = [r for r in range(size) if step < 1 + (r + rnd) % size]
+            assert out.tolist() == [float(sum(r + 1 for r in active))] * 4, (rnd, step, out)
+        assert comm.join() in range(size)
+        root = rnd % size
+        got = comm.broadcast(np.full(3, 10 * rnd + me, np.int32), root, name=f"after.{rnd}")
+        assert got.tolist() == [10 * rnd + root] * 3, (rnd, got)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_a_joined_rank_leaves_calls_made_after_the_join_to_its_own_next_call(size):
+    """A joined rank serves the others' lane posts with zeros until its join completes; a
+    peer whose join completed first may already post its next blocking call. That post is
+    not the joined rank's to answer (before the fix it answered 'use the engine' for it
+    and the two ranks then waited for each other, one on the lane, one in the engine)."""
+    assert_ranks_ok(_join_then_blocking_calls, size, timeout=TIMEOUT, args=(100,),
+                    env={**PATHS["shm"], "RINGSYNC_TIMEOUT_SECONDS": "20"})
