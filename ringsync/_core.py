@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ._arrays import as_input, as_output, describe, wrap_native_result
-from ._native import ffi, lib
+from ._native import lib
 from ._ring import NativeRing
 from ._submit import Handle, PreparedAllreduce, Submitter, make_request
 from .config import Config
@@ -59,16 +59,22 @@ def prepare_allreduce_(comm: "Communicator", name: str, like: np.ndarray, op=Red
     return PreparedAllreduce(comm, request)
 
 
+def _topology(field: str):
+    """A method returning this rank's place on its host (local_*) or among hosts (cross_*)."""
+    def get(self) -> int:
+        return getattr(self.topology, field)
+    get.__name__ = field
+    return get
+
+
 class Communicator:
     """A ring of ranks, with its engine, built over a rendezvous: an mpi4py
     intracommunicator (MPI.COMM_WORLD by default) or any ringsync.rendezvous.Rendezvous
-    (ranks that are threads of one process, for tests).
+    (ranks that are threads of one process, for tests). Several can exist in one process.
 
-    Holds its own native context; several can exist in one process. The `_async` methods'
-    private `_blocking=True` says that the caller waits for the result at once (the plain
-    calls): the request then starts without waiting to fuse with later ones, and a single
-    tensor may take the same-host lane.
-    """
+    The `_async` methods' private `_blocking=True` says that the caller waits for the
+    result at once (the plain calls): the request then starts without waiting to fuse
+    with later ones, and a single tensor may take the same-host lane."""
 
     def __init__(self, mpi_comm=None, config: Optional[Config] = None, own_comm: bool = False,
                  rendezvous: Optional[Rendezvous] = None):
@@ -102,9 +108,8 @@ class Communicator:
         self._ring.rendezvous.close()
 
     def abort(self, reason: str = "aborted"):
-        """Fail every pending collective here and on every peer, and close the ring at
-        once (no shutdown handshake). The rendezvous is kept open: elastic recovery
-        shrinks it (see rendezvous.FaultTolerance)."""
+        """Fail every pending collective here and on every peer and close the ring at once;
+        the rendezvous stays open for elastic recovery (rendezvous.FaultTolerance)."""
         self._ring.abort(reason)
         self._submitter.orphans.clear()
 
@@ -129,9 +134,7 @@ class Communicator:
         """Where this ring's ranks met (and, for elastic recovery, agree on survivors)."""
         return self._ring.rendezvous
 
-    @property
-    def closed(self) -> bool:
-        return self._ring.closed
+    closed = property(lambda self: self._ring.closed)
 
     @property
     def broken(self) -> bool:
@@ -144,17 +147,10 @@ class Communicator:
     def size(self) -> int:
         return self._size
 
-    def local_rank(self) -> int:
-        return self.topology.local_rank
-
-    def local_size(self) -> int:
-        return self.topology.local_size
-
-    def cross_rank(self) -> int:
-        return self.topology.cross_rank
-
-    def cross_size(self) -> int:
-        return self.topology.cross_size
+    local_rank = _topology("local_rank")
+    local_size = _topology("local_size")
+    cross_rank = _topology("cross_rank")
+    cross_size = _topology("cross_size")
 
     # ---- handles ----
 
@@ -171,6 +167,14 @@ class Communicator:
 
     def _submit(self, requests, finish, what) -> Handle:
         return self._submitter.submit(self, requests, finish, what)
+
+    def _submit_taking(self, request, finish, what) -> Handle:
+        """One request whose result the native core holds (data, rows, splits):
+        synchronize returns finish(result)."""
+        handle = None
+        handle = self._submit([request], lambda: finish(self._submitter.take_result(
+            handle._ids[0])), what)
+        return handle
 
     def poll(self, handle: Handle) -> bool:
         """True once every tensor of the handle has completed (then synchronize won't block)."""
@@ -260,14 +264,8 @@ class Communicator:
         src = src.reshape(1) if src.ndim == 0 else src
         request = make_request("allgather", lib.RS_KIND_ALLGATHER, self._name(name, "allgather"),
                                 src, None, blocking=_blocking)
-        handle = None
-
-        def finish():
-            data, rows, _ = self._submitter.take_result(handle._ids[0])
-            return wrap_native_result(data, rows, src.shape[1:], src.dtype)
-
-        handle = self._submit([request], finish, "allgather")
-        return handle
+        return self._submit_taking(request, lambda result: wrap_native_result(
+            result[0], result[1], src.shape[1:], src.dtype), "allgather")
 
     def allgather(self, x, name=None):
         return self.synchronize(self.allgather_async(x, name, _blocking=True))
@@ -337,15 +335,13 @@ class Communicator:
                                  f"rank {self._rank} must have one entry per rank ({self._size})")
         request = make_request("alltoall", lib.RS_KIND_ALLTOALL, self._name(name, "alltoall"),
                                 src, None, splits=rows, blocking=_blocking)
-        handle = None
 
-        def finish():
-            data, received, from_each = self._submitter.take_result(handle._ids[0])
+        def finish(result):
+            data, received, from_each = result
             out = wrap_native_result(data, received, src.shape[1:], src.dtype)
             return out if splits is None else (out, from_each)
 
-        handle = self._submit([request], finish, "alltoall")
-        return handle
+        return self._submit_taking(request, finish, "alltoall")
 
     def alltoall(self, x, splits=None, name=None):
         return self.synchronize(self.alltoall_async(x, splits, name, _blocking=True))
@@ -364,19 +360,11 @@ class Communicator:
         collectives fail while a rank has joined. Returns the last rank to join."""
         request = make_request("join", lib.RS_KIND_JOIN, "ringsync.join",
                                 np.empty(0, np.uint8), None, blocking=True)
-        handle = None
-
-        def last_rank():
-            return self._submitter.take_result(handle._ids[0])[1]
-
-        handle = self._submit([request], last_rank, "join")
-        return self.synchronize(handle)
+        return self.synchronize(self._submit_taking(request, lambda result: result[1], "join"))
 
     def start_timeline(self, path: str):
         """Write a Chrome-trace timeline (open it in Perfetto) of every tensor's phases."""
-        if lib.rs_engine_start_timeline(self._ring.engine, str(path).encode()) != lib.RS_OK:
-            detail = ffi.string(lib.rs_engine_last_error(self._ring.engine)).decode()
-            raise UsageError(f"ringsync.start_timeline: {detail}")
+        self._ring.start_timeline(path)
 
     def stop_timeline(self):
-        lib.rs_engine_stop_timeline(self._ring.engine)
+        self._ring.stop_timeline()

@@ -192,6 +192,14 @@ class NativeRing:
             lib.rs_comm_destroy(self.c)
             self.c = ffi.NULL
 
+    def start_timeline(self, path):
+        if lib.rs_engine_start_timeline(self.engine, str(path).encode()) != lib.RS_OK:
+            detail = ffi.string(lib.rs_engine_last_error(self.engine)).decode()
+            raise UsageError(f"ringsync.start_timeline: {detail}")
+
+    def stop_timeline(self):
+        lib.rs_engine_stop_timeline(self.engine)
+
     def shutdown(self):
         """Stop the engine after every healthy rank got here (bounded by the timeout), so
         that no rank's exit looks like a failure to a peer; then free everything."""

@@ -94,7 +94,7 @@ def make_request(what, kind, name, src, out, *, op=0, prescale=1.0, postscale=1.
 def fill_struct(s, r: Request):
     """Fill the native request struct s from r; returns what must stay alive meanwhile."""
     s.kind, s.dtype, s.op, s.root = r.kind, r.dtype, r.op, r.root
-    s.prescale, s.postscale, s.urgent = r.prescale, r.postscale, r.start_now
+    s.prescale, s.postscale, s.start_now = r.prescale, r.postscale, r.start_now
     s.ndim = r.src.ndim
     s.shape[0:r.src.ndim] = r.src.shape
     send = pointer(r.src)

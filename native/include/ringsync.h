@@ -152,7 +152,7 @@ typedef struct {
     const void *sendbuf;
     void *recvbuf;
     const int64_t *splits; /* alltoall: rows sent to each rank (size entries); NULL = even */
-    int urgent;            /* a caller is waiting now: do not hold it back to fuse more */
+    int start_now;         /* a caller is waiting now: do not hold it back to fuse more */
 } rs_request_t;
 
 typedef struct {

@@ -197,15 +197,15 @@ static int take_queue_locked(rs_engine_t *e, rs_work_t ***batch, int *n, int *ca
     return 0;
 }
 
-static int any_urgent(rs_work_t **batch, int n) {
+static int any_starts_now(rs_work_t **batch, int n) {
     for (int i = 0; i < n; i++)
-        if (batch[i]->urgent)
+        if (batch[i]->start_now)
             return 1;
     return 0;
 }
 
 /* Asynchronous submissions tend to come in bursts (a backward pass): wait a little for the
- * rest of the burst, at most cycle_time, so that they fuse. A waiting caller (urgent) or a
+ * rest of the burst, at most cycle_time, so that they fuse. A waiting caller (start_now) or a
  * pause in the burst ends the wait at once. */
 static void gather_more(rs_engine_t *e, rs_work_t ***batch, int *n, int *cap) {
     double deadline = rs_now() + e->config.cycle_time_ms * 1e-3;
@@ -213,11 +213,11 @@ static void gather_more(rs_engine_t *e, rs_work_t ***batch, int *n, int *cap) {
         pthread_mutex_lock(&e->mu);
         int before = *n;
         take_queue_locked(e, batch, n, cap);
-        int urgent = any_urgent(*batch, *n) || e->stopping;
+        int go_now = any_starts_now(*batch, *n) || e->stopping;
         double left = deadline - rs_now();
-        e->sleeping = !urgent && left > 0 && *n == before;
+        e->sleeping = !go_now && left > 0 && *n == before;
         pthread_mutex_unlock(&e->mu);
-        if (urgent || left <= 0)
+        if (go_now || left <= 0)
             return;
         if (*n > before)
             continue; /* more arrived while we ran: look again before sleeping */
@@ -566,7 +566,7 @@ static rs_work_t *new_work(rs_engine_t *e, const char *name, const rs_request_t 
     w->meta = rs_request_meta(r);
     w->sendbuf = r->sendbuf;
     w->recvbuf = r->recvbuf;
-    w->urgent = r->urgent;
+    w->start_now = r->start_now;
     if (r->kind == RS_KIND_ALLTOALL) {
         int size = e->comm->size;
         if (!(w->splits = malloc((size_t)size * sizeof(int64_t)))) {
@@ -678,8 +678,8 @@ rs_status_t rs_engine_wait(rs_engine_t *e, int64_t handle, double timeout_second
     pthread_mutex_lock(&e->mu);
     rs_work_t *w = work_of(e, handle);
     rs_status_t st = RS_ERR_USAGE;
-    if (w && !w->done && !w->urgent) {
-        w->urgent = 1; /* someone waits: stop gathering more into its fusion */
+    if (w && !w->done && !w->start_now) {
+        w->start_now = 1; /* someone waits: stop gathering more into its fusion */
         if (e->sleeping)
             wake_thread(e);
     }
@@ -753,7 +753,7 @@ static void stop_thread(rs_engine_t *e) {
 }
 
 rs_status_t rs_engine_shutdown(rs_engine_t *e) {
-    rs_request_t barrier = {.kind = RS_KIND_BARRIER, .urgent = 1};
+    rs_request_t barrier = {.kind = RS_KIND_BARRIER, .start_now = 1};
     const char *name = SHUTDOWN_NAME;
     int64_t handle;
     rs_status_t st = rs_engine_submit(e, &name, &barrier, 1, &handle);

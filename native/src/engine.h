@@ -23,7 +23,7 @@ typedef struct rs_work {
     const void *sendbuf;
     void *recvbuf;
     int64_t *splits; /* alltoall rows per destination (copied) */
-    int urgent;
+    int start_now;
     double submitted_at;
     /* set by the engine thread; read under the engine mutex once done */
     int done;

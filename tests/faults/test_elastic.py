@@ -268,6 +268,19 @@ def _rows(step: int, size: int, rank: int):
     return rows[rank * TORCH_BATCH:(rank + 1) * TORCH_BATCH]
 
 
+def _step_done(state, size, steps_run):
+    """A training step finished: record the ring size it ran on, commit every few steps."""
+    state.sizes = state.sizes + [size]
+    state.step += 1
+    steps_run.append(time.time())
+    if state.step % COMMIT_EVERY == 0:
+        state.commit()
+
+
+def _max_error(params, reference):
+    return max(abs(a - b) for pa, pb in zip(params, reference) for a, b in zip(pa, pb))
+
+
 def _torch_reference(sizes):
     """One process replaying the global batches of the steps as they were finally run."""
     import torch
@@ -308,16 +321,12 @@ def torch_training(marker: str = ""):
             if me == victim and state.step == kill_step:
                 die("mid-allreduce at step %d" % state.step)  # reductions are in flight
             opt.step()
-            state.sizes = state.sizes + [hvd.size()]
-            state.step += 1
-            steps_run.append(time.time())
-            if state.step % COMMIT_EVERY == 0:
-                state.commit()
+            _step_done(state, hvd.size(), steps_run)
 
     train(state)
     params = [p.detach().reshape(-1).tolist() for p in model.parameters()]
     reference = _torch_reference(state.sizes)
-    error = max(abs(a - b) for pa, pb in zip(params, reference) for a, b in zip(pa, pb))
+    error = _max_error(params, reference)
     write_record({"original_rank": me, "rank": hvd.rank(), "size": hvd.size(),
                   "params": params, "error": error, "sizes": state.sizes,
                   "steps_run": len(steps_run), "recovered_at": recovered_at,
@@ -447,16 +456,12 @@ def keras_training(marker: str = ""):
             rows = _rows(state.step, hvd.size(), hvd.rank())
             _keras_step(model, optimizer, x[rows], y[rows].astype("int64"),
                         hvd.DistributedGradientTape)
-            state.sizes = state.sizes + [hvd.size()]
-            state.step += 1
-            steps_run.append(time.time())
-            if state.step % COMMIT_EVERY == 0:
-                state.commit()
+            _step_done(state, hvd.size(), steps_run)
 
     train(state)
     params = [v.numpy().reshape(-1).tolist() for v in model.trainable_variables]
     reference = _keras_reference(state.sizes)
-    error = max(abs(a - b) for pa, pb in zip(params, reference) for a, b in zip(pa, pb))
+    error = _max_error(params, reference)
     write_record({"original_rank": me, "rank": hvd.rank(), "size": hvd.size(),
                   "params": params, "error": error, "sizes": state.sizes,
                   "steps_run": len(steps_run)})

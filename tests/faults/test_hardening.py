@@ -161,7 +161,7 @@ def _raw_submit(kind, dtype, shape, buffer, splits=None):
     from ringsync._native import ffi, lib
     engine = rs._comm()._ring.engine
     req = ffi.new("rs_request_t *")
-    req.kind, req.dtype, req.ndim, req.urgent = kind, dtype, len(shape), 1
+    req.kind, req.dtype, req.ndim, req.start_now = kind, dtype, len(shape), 1
     req.shape[0:len(shape)] = list(shape)
     req.sendbuf = req.recvbuf = ffi.from_buffer(buffer)
     keep = None
