@@ -9,7 +9,7 @@ import traceback
 
 from .config import Config
 from .errors import (CommunicationError, CommunicationTimeout, HorovodInternalError,
-                     NotInitializedError, RingsyncError, UsageError)
+                     MismatchError, NotInitializedError, RingsyncError, UsageError)
 
 __version__ = "0.1.0"
 
@@ -17,6 +17,9 @@ from .ops import ReduceOp
 
 try:
     from ._core import Communicator, Handle
+    from . import process_sets as _process_sets
+    from .process_sets import (ProcessSet, add_process_set, global_process_set,
+                               remove_process_set)
 except ImportError as _e:  # only where the native core was not built
     _NATIVE_IMPORT_ERROR = _e
 
@@ -57,11 +60,12 @@ def _skip_mpi_finalize_under_fault_tolerance():
 _skip_mpi_finalize_under_fault_tolerance()
 
 
-def init(comm=None):
-    """Build the ring over `comm` (an mpi4py intracommunicator; MPI.COMM_WORLD by default).
-    Calling it again while initialised does nothing. In a replacement rank started by
-    elastic recovery (--respawn), the default is the communicator shared with the
-    survivors."""
+def init(comm=None, process_sets=None):
+    """Build the ring over `comm` (an mpi4py intracommunicator; MPI.COMM_WORLD by default)
+    and the process sets given (a list of ProcessSet, each a ring of its own; "dynamic" is
+    accepted: sets can always be added later). Calling it again while initialised does
+    nothing. In a replacement rank started by elastic recovery (--respawn), the default is
+    the communicator shared with the survivors."""
     if _default is not None and not _default.closed:
         return
     own = False
@@ -69,7 +73,11 @@ def init(comm=None):
         from . import bootstrap
         comm = bootstrap.replacement_world()
         own = comm is not None
+    elif isinstance(comm, (list, tuple, range)):
+        raise UsageError("ringsync.init: comm as a list of ranks is not supported; pass an "
+                         "mpi4py communicator, or use a ProcessSet for a subset of ranks")
     _start(comm, own)
+    _process_sets.attach(_default, process_sets)
 
 
 def _start(comm, own_comm: bool, survivor: bool = False):
@@ -95,6 +103,7 @@ def _start(comm, own_comm: bool, survivor: bool = False):
 def shutdown():
     global _default
     if _default is not None:
+        _process_sets.detach()
         _default.shutdown()
         _default = None
 
@@ -104,12 +113,15 @@ def is_initialized() -> bool:
 
 
 def _comm(process_set=None) -> Communicator:
-    """The communicator a call runs on: `process_set` when given (a Communicator; the
-    adapters' functions all take one), else the default one that init() made."""
+    """The communicator a call runs on: `process_set` when given (a ProcessSet, or a
+    Communicator; the adapters' functions all take one), else the default one that
+    init() made."""
+    if isinstance(process_set, ProcessSet):
+        return _process_sets.communicator_of(process_set)
     if process_set is not None:
         if not isinstance(process_set, Communicator):
-            raise UsageError(f"ringsync: process_set must be a ringsync.Communicator, got "
-                             f"{type(process_set).__name__}")
+            raise UsageError(f"ringsync: process_set must be a ringsync.ProcessSet or "
+                             f"Communicator, got {type(process_set).__name__}")
         if process_set.closed:
             raise UsageError("ringsync: process_set is a closed communicator")
         return process_set
@@ -118,10 +130,17 @@ def _comm(process_set=None) -> Communicator:
     return _default
 
 
+def _default_or_none():
+    return _default if _default is not None and not _default.closed else None
+
+
 def _install(comm: Communicator):
-    """Make comm the default communicator (elastic recovery hands its new ring here)."""
+    """Make comm the default communicator (elastic recovery hands its new ring here). The
+    old ring's process sets lost ranks with it: they are closed; the job adds them again."""
     global _default
+    _process_sets.detach(abort=True)
     _default = comm
+    _process_sets.attach(comm)
 
 
 def _install_die_hard_excepthook():
@@ -244,8 +263,8 @@ def alltoall_async(tensor, splits=None, name=None):
     return _comm().alltoall_async(tensor, splits, name)
 
 
-def barrier():
-    _comm().barrier()
+def barrier(process_set=None):
+    _comm(process_set).barrier()
 
 
 from .objects import allgather_object, broadcast_object  # noqa: E402
@@ -274,9 +293,10 @@ def _owner(handle) -> Communicator:
     return comm
 
 
-def start_timeline(path):
-    """Write a Chrome-trace JSON timeline of every tensor's phases (open it in Perfetto)."""
-    _comm().start_timeline(path)
+def start_timeline(file_path, mark_cycles=False):
+    """Write a Chrome-trace JSON timeline of every tensor's phases (open it in Perfetto).
+    mark_cycles is accepted for Horovod's signature: the engine's cycles are not marked."""
+    _comm().start_timeline(file_path)
 
 
 def stop_timeline():
@@ -289,8 +309,10 @@ __all__ = [
     "allreduce_async_", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
     "grouped_allreduce_async_", "allgather", "allgather_async", "broadcast", "broadcast_",
     "broadcast_async", "broadcast_async_", "reducescatter", "reducescatter_async", "alltoall",
-    "alltoall_async", "barrier", "join", "poll", "broadcast_object", "allgather_object", "synchronize", "start_timeline", "stop_timeline",
+    "alltoall_async", "barrier", "join", "poll", "broadcast_object", "allgather_object",
+    "synchronize", "start_timeline", "stop_timeline", "ProcessSet", "global_process_set",
+    "add_process_set", "remove_process_set",
     "Handle", "Sum", "Average", "Min", "Max",
     "Product", "ReduceOp", "Communicator", "Config", "RingsyncError", "UsageError",
-    "NotInitializedError", "CommunicationError", "CommunicationTimeout", "HorovodInternalError",
+    "NotInitializedError", "MismatchError", "CommunicationError", "CommunicationTimeout", "HorovodInternalError",
 ]

@@ -1,6 +1,7 @@
 """What the framework adapters share, written once: the rules of the differentiable
 collectives, and gradient compression by casting (each framework supplies only how to
 read and change a tensor's dtype)."""
+import warnings
 from typing import Optional
 
 from .errors import UsageError
@@ -12,6 +13,19 @@ def check_differentiable(op, what: str) -> None:
     if ReduceOp(op) not in (ReduceOp.SUM, ReduceOp.AVERAGE):
         raise UsageError(f"ringsync.{what}: the gradient of a {ReduceOp(op).name.title()} "
                          "reduction is not defined; use Sum or Average when gradients flow")
+
+
+def resolve_op(average, op, what: str):
+    """Horovod's rule for its two ways to say how to reduce: op (None: Average), or the
+    deprecated average= (True: Average, False: Sum), never both."""
+    if average is not None:
+        if op is not None:
+            raise UsageError(f"ringsync.{what}: the op parameter supersedes average; "
+                             f"give only one of them")
+        warnings.warn("Parameter `average` has been replaced with `op` and will be removed "
+                      "in v1.0", DeprecationWarning, stacklevel=3)
+        return ReduceOp.AVERAGE if average else ReduceOp.SUM
+    return ReduceOp.AVERAGE if op is None else op
 
 
 def grad_name(name: Optional[str]) -> Optional[str]:

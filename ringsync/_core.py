@@ -17,29 +17,17 @@ import numpy as np
 from ._arrays import as_input, as_output, describe, wrap_native_result
 from ._native import lib
 from ._ring import NativeRing
+from ._grouped import GroupedCollectives
 from ._submit import Handle, PreparedAllreduce, Submitter, make_request
 from .config import Config
 from .errors import UsageError
-from .ops import ReduceOp
+from .ops import ReduceOp, as_op
 from .rendezvous import Rendezvous, as_rendezvous
 
 assert [int(o) for o in ReduceOp] == [lib.RS_OP_SUM, lib.RS_OP_AVERAGE, lib.RS_OP_MIN,
                                       lib.RS_OP_MAX, lib.RS_OP_PRODUCT], "ReduceOp != ringsync.h"
 
-_OP_CODES = {op: int(op) for op in ReduceOp}
-
 __all__ = ["Communicator", "Handle", "as_op", "even_split"]
-
-
-def as_op(op, what: str) -> int:
-    code = _OP_CODES.get(op)  # the common case, without enum construction
-    if code is not None:
-        return code
-    try:
-        return int(ReduceOp(op))
-    except ValueError:
-        raise UsageError(f"ringsync.{what}: unknown reduction op {op!r}; use one of "
-                         f"{', '.join(o.name.title() for o in ReduceOp)}") from None
 
 
 def even_split(n: int, parts: int) -> Sequence[int]:
@@ -59,6 +47,27 @@ def prepare_allreduce_(comm: "Communicator", name: str, like: np.ndarray, op=Red
     return PreparedAllreduce(comm, request)
 
 
+class _Names:
+    """Tensor names: the caller's, or generated in call order (the same on every rank as
+    long as ranks make their unnamed calls in the same order, as Horovod's do)."""
+
+    def __init__(self, rank: int):
+        self._rank, self._auto = rank, itertools.count()
+
+    def __call__(self, name: Optional[str], what: str) -> str:
+        if name is None:
+            return f"{what}.noname.{next(self._auto)}"
+        name = str(name)
+        if "\0" in name:  # C would see only the part before it: two names would meet
+            raise UsageError(f"ringsync.{what}: tensor name {name!r} contains a NUL character "
+                             f"(rank {self._rank})")
+        return name
+
+
+def _span(ranks) -> str:
+    return f"0..{len(ranks) - 1}" if ranks == list(range(len(ranks))) else str(ranks)
+
+
 def _topology(field: str):
     """A method returning this rank's place on its host (local_*) or among hosts (cross_*)."""
     def get(self) -> int:
@@ -67,7 +76,7 @@ def _topology(field: str):
     return get
 
 
-class Communicator:
+class Communicator(GroupedCollectives):
     """A ring of ranks, with its engine, built over a rendezvous: an mpi4py
     intracommunicator (MPI.COMM_WORLD by default) or any ringsync.rendezvous.Rendezvous
     (ranks that are threads of one process, for tests). Several can exist in one process.
@@ -77,11 +86,13 @@ class Communicator:
     with later ones, and a single tensor may take the same-host lane."""
 
     def __init__(self, mpi_comm=None, config: Optional[Config] = None, own_comm: bool = False,
-                 rendezvous: Optional[Rendezvous] = None):
+                 rendezvous: Optional[Rendezvous] = None, world_ranks: Optional[list] = None):
         """mpi_comm: an mpi4py intracommunicator (or a Rendezvous in its place).
         own_comm: mpi_comm is ours alone: use it as it is instead of a duplicate, so that
         revoking it also interrupts this constructor's own MPI calls. rendezvous: build
-        over this instead of MPI; the Communicator closes it when it shuts down."""
+        over this instead of MPI; the Communicator closes it when it shuts down.
+        world_ranks: how the job numbers this ring's ranks (a process set's ring): broadcast
+        roots and join's result use that numbering, as in Horovod (default: this ring's)."""
         rendezvous = as_rendezvous(mpi_comm, own_comm, rendezvous)
         try:
             self._ring = NativeRing(rendezvous, config)
@@ -92,7 +103,9 @@ class Communicator:
         self.config, self.topology = self._ring.config, self._ring.topology
         self.host_names = self._ring.host_names
         self._submitter = Submitter(self._ring)
-        self._auto_names = itertools.count()
+        self._name = _Names(self._rank)
+        self.world_ranks = list(world_ranks or range(self._size))
+        self._ring_rank = {world: mine for mine, world in enumerate(self.world_ranks)}
         if self.config.timeline:
             self.start_timeline(self.config.timeline)
 
@@ -147,6 +160,10 @@ class Communicator:
     def size(self) -> int:
         return self._size
 
+    def world_rank(self) -> int:
+        """This rank as the job numbers it (rank() for the job's own ring)."""
+        return self.world_ranks[self._rank]
+
     local_rank = _topology("local_rank")
     local_size = _topology("local_size")
     cross_rank = _topology("cross_rank")
@@ -154,26 +171,15 @@ class Communicator:
 
     # ---- handles ----
 
-    def _name(self, name: Optional[str], what: str) -> str:
-        """Names given by the caller, or generated in call order (the same on every rank
-        as long as ranks make their unnamed calls in the same order, as Horovod's do)."""
-        if name is None:
-            return f"{what}.noname.{next(self._auto_names)}"
-        name = str(name)
-        if "\0" in name:  # C would see only the part before it: two names would meet
-            raise UsageError(f"ringsync.{what}: tensor name {name!r} contains a NUL character "
-                             f"(rank {self._rank})")
-        return name
-
     def _submit(self, requests, finish, what) -> Handle:
         return self._submitter.submit(self, requests, finish, what)
 
-    def _submit_taking(self, request, finish, what) -> Handle:
-        """One request whose result the native core holds (data, rows, splits):
-        synchronize returns finish(result)."""
+    def _submit_taking(self, requests, finish, what) -> Handle:
+        """Requests whose results the native core holds ((data, rows, splits) each):
+        synchronize returns finish(their results, in order)."""
         handle = None
-        handle = self._submit([request], lambda: finish(self._submitter.take_result(
-            handle._ids[0])), what)
+        handle = self._submit(requests, lambda: finish(
+            [self._submitter.take_result(i) for i in handle._ids]), what)
         return handle
 
     def poll(self, handle: Handle) -> bool:
@@ -222,50 +228,22 @@ class Communicator:
         return self.synchronize(self.allreduce_async_(x, op, prescale_factor, postscale_factor,
                                                       name, _blocking=True))
 
-    def grouped_allreduce_async(self, tensors, op=ReduceOp.AVERAGE, prescale_factor=1.0,
-                                postscale_factor=1.0, name=None, _in_place=False,
-                                _blocking=False) -> Handle:
-        """Reduce a list of tensors as one unit (negotiated together, fused together)."""
-        what = "grouped_allreduce_" if _in_place else "grouped_allreduce"
-        base = self._name(name, "grouped_allreduce")
-        code = as_op(op, what)
-        requests, outs = [], []
-        for i, x in enumerate(tensors):
-            src = as_output(x, what, f"{base}.{i}") if _in_place else as_input(x, what, f"{base}.{i}")
-            out = src if _in_place else np.empty_like(src)
-            outs.append(out)
-            requests.append(make_request(what, lib.RS_KIND_ALLREDUCE, f"{base}.{i}", src, out,
-                                          op=code, prescale=prescale_factor,
-                                          postscale=postscale_factor, reduces=True,
-                                          blocking=_blocking))
-        return self._submit(requests, lambda: outs, what)
-
-    def grouped_allreduce_async_(self, tensors, op=ReduceOp.AVERAGE, prescale_factor=1.0,
-                                 postscale_factor=1.0, name=None) -> Handle:
-        return self.grouped_allreduce_async(tensors, op, prescale_factor, postscale_factor, name,
-                                            _in_place=True)
-
-    def grouped_allreduce(self, tensors, op=ReduceOp.AVERAGE, prescale_factor=1.0,
-                          postscale_factor=1.0, name=None):
-        return self.synchronize(self.grouped_allreduce_async(
-            tensors, op, prescale_factor, postscale_factor, name, _blocking=True))
-
-    def grouped_allreduce_(self, tensors, op=ReduceOp.AVERAGE, prescale_factor=1.0,
-                           postscale_factor=1.0, name=None):
-        return self.synchronize(self.grouped_allreduce_async(
-            tensors, op, prescale_factor, postscale_factor, name, _in_place=True, _blocking=True))
-
     # ---- allgather ----
 
     def allgather_async(self, x, name=None, _blocking=False) -> Handle:
         """Start concatenating every rank's x along the first dimension (which may differ
         by rank; a 0-d array counts as one row)."""
-        src = as_input(x, "allgather", name)
+        request, finish = self._allgather_request(x, self._name(name, "allgather"),
+                                                  "allgather", _blocking)
+        return self._submit_taking([request], lambda results: finish(results[0]), "allgather")
+
+    def _allgather_request(self, x, name, what, blocking):
+        """The request, and how to turn its result (data, rows, splits) into an array."""
+        src = as_input(x, what, name)
         src = src.reshape(1) if src.ndim == 0 else src
-        request = make_request("allgather", lib.RS_KIND_ALLGATHER, self._name(name, "allgather"),
-                                src, None, blocking=_blocking)
-        return self._submit_taking(request, lambda result: wrap_native_result(
-            result[0], result[1], src.shape[1:], src.dtype), "allgather")
+        request = make_request(what, lib.RS_KIND_ALLGATHER, name, src, None, blocking=blocking)
+        return request, lambda result: wrap_native_result(result[0], result[1], src.shape[1:],
+                                                          src.dtype)
 
     def allgather(self, x, name=None):
         return self.synchronize(self.allgather_async(x, name, _blocking=True))
@@ -281,11 +259,13 @@ class Communicator:
         return self._broadcast(out, root_rank, name, "broadcast_", _blocking)
 
     def _broadcast(self, out, root_rank, name, what, blocking):
-        if not isinstance(root_rank, (int, np.integer)) or not 0 <= root_rank < self._size:
-            raise UsageError(f"ringsync.{what}: root_rank {root_rank!r}{describe(name)} is out "
-                             f"of range for {self._size} ranks (rank {self._rank})")
+        root = self._ring_rank.get(root_rank) if isinstance(root_rank, (int, np.integer)) else None
+        if root is None:
+            raise UsageError(f"ringsync.{what}: root_rank {root_rank!r}{describe(name)} is not "
+                             f"one of this ring's ranks {_span(self.world_ranks)} (rank "
+                             f"{self.world_rank()})")
         request = make_request(what, lib.RS_KIND_BROADCAST, self._name(name, "broadcast"), out,
-                                out, root=int(root_rank), blocking=blocking)
+                                out, root=root, blocking=blocking)
         return self._submit([request], lambda: out, what)
 
     def broadcast(self, x, root_rank, name=None):
@@ -302,16 +282,20 @@ class Communicator:
                             postscale_factor=1.0, name=None, _blocking=False) -> Handle:
         """Reduce x over all ranks; rank r gets the r-th slice of the first dimension
         (split as evenly as possible, the first ranks taking one more row)."""
-        src = as_input(x, "reducescatter", name)
+        request, out = self._reducescatter_request(
+            x, as_op(op, "reducescatter"), prescale_factor, postscale_factor,
+            self._name(name, "reducescatter"), "reducescatter", _blocking)
+        return self._submit([request], lambda: out, "reducescatter")
+
+    def _reducescatter_request(self, x, code, prescale, postscale, name, what, blocking):
+        src = as_input(x, what, name)
         if src.ndim == 0:
-            raise UsageError(f"ringsync.reducescatter{describe(name)}: needs at least one dimension")
+            raise UsageError(f"ringsync.{what}{describe(name)}: needs at least one dimension")
         rows = even_split(src.shape[0], self._size)[self._rank]
         out = np.empty((rows,) + src.shape[1:], dtype=src.dtype)
-        request = make_request("reducescatter", lib.RS_KIND_REDUCESCATTER,
-                                self._name(name, "reducescatter"), src, out,
-                                op=as_op(op, "reducescatter"), prescale=prescale_factor,
-                                postscale=postscale_factor, reduces=True, blocking=_blocking)
-        return self._submit([request], lambda: out, "reducescatter")
+        return make_request(what, lib.RS_KIND_REDUCESCATTER, name, src, out, op=code,
+                            prescale=prescale, postscale=postscale, reduces=True,
+                            blocking=blocking), out
 
     def reducescatter(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
                       name=None):
@@ -341,7 +325,7 @@ class Communicator:
             out = wrap_native_result(data, received, src.shape[1:], src.dtype)
             return out if splits is None else (out, from_each)
 
-        return self._submit_taking(request, finish, "alltoall")
+        return self._submit_taking([request], lambda results: finish(results[0]), "alltoall")
 
     def alltoall(self, x, splits=None, name=None):
         return self.synchronize(self.alltoall_async(x, splits, name, _blocking=True))
@@ -360,7 +344,8 @@ class Communicator:
         collectives fail while a rank has joined. Returns the last rank to join."""
         request = make_request("join", lib.RS_KIND_JOIN, "ringsync.join",
                                 np.empty(0, np.uint8), None, blocking=True)
-        return self.synchronize(self._submit_taking(request, lambda result: result[1], "join"))
+        return self.synchronize(self._submit_taking(
+            [request], lambda results: self.world_ranks[results[0][1]], "join"))
 
     def start_timeline(self, path: str):
         """Write a Chrome-trace timeline (open it in Perfetto) of every tensor's phases."""

@@ -14,7 +14,7 @@ import numpy as np
 
 from ._arrays import describe, dtype_code, pointer
 from ._native import ffi, lib
-from .errors import CommunicationError, CommunicationTimeout, UsageError
+from .errors import CommunicationError, CommunicationTimeout, MismatchError, UsageError
 
 _STATUS_ERRORS = {
     lib.RS_ERR_USAGE: UsageError,
@@ -171,8 +171,8 @@ class Submitter:
         keep = fill_struct(struct, request)  # noqa: F841 (the pointers must outlive the call)
         ran = ffi.new("int *")
         status = lib.rs_engine_try_lane(self.ring.engine, request.name.encode(), struct, ran)
-        if status != lib.RS_OK:
-            self.raise_engine_error(status, what, request.name)
+        if status != lib.RS_OK:  # (a usage error here: the ranks' posts disagreed, mostly)
+            self.raise_engine_error(status, what, request.name, MismatchError)
         return bool(ran[0])
 
     def submit_prepared(self, comm, prepared: PreparedAllreduce, address: int, keep) -> Handle:
@@ -250,11 +250,16 @@ class Submitter:
                 detail = ffi.string(lib.rs_engine_handle_error(self.ring.engine, h)).decode()
                 if not detail:
                     detail = ffi.string(lib.rs_engine_last_error(self.ring.engine)).decode()
-                raise _STATUS_ERRORS.get(status, CommunicationError)(
+                # A usage error found after submission is one the ranks found together.
+                kind = MismatchError if status == lib.RS_ERR_USAGE else \
+                    _STATUS_ERRORS.get(status, CommunicationError)
+                raise kind(
                     f"ringsync.{handle._what}{describe(name)} failed on rank "
                     f"{self.ring.rank}: {detail}")
 
-    def raise_engine_error(self, status, what, name=None):
+    def raise_engine_error(self, status, what, name=None, usage_kind=UsageError):
         detail = ffi.string(lib.rs_engine_last_error(self.ring.engine)).decode()
-        raise _STATUS_ERRORS.get(status, CommunicationError)(
+        kind = usage_kind if status == lib.RS_ERR_USAGE else \
+            _STATUS_ERRORS.get(status, CommunicationError)
+        raise kind(
             f"ringsync.{what}{describe(name)} failed on rank {self.ring.rank}: {detail}")

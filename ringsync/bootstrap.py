@@ -167,6 +167,14 @@ class MpiRendezvous(Rendezvous, FaultTolerance):
             except Exception:  # a communicator with failed ranks: nothing left to free
                 pass
 
+    def split(self, ranks):
+        from mpi4py import MPI
+        ranks = list(ranks)
+        member = self.rank in ranks
+        sub = self._comm.Split(0 if member else MPI.UNDEFINED,
+                               ranks.index(self.rank) if member else 0)
+        return MpiRendezvous(sub, owned=True) if member else None
+
     @property
     def mpi_comm(self):
         return self._comm

@@ -1,4 +1,6 @@
-"""The exception classes of ringsync: one base, a usage kind and a communication kind."""
+"""The exception classes of ringsync: one base, a usage kind and a communication kind.
+Horovod's code catches RuntimeError for both of the kinds it raises at synchronize (its
+HorovodInternalError, and mismatches between ranks): ours are RuntimeErrors too."""
 
 
 class RingsyncError(Exception):
@@ -13,7 +15,14 @@ class NotInitializedError(UsageError):
     """A collective or query was called before ringsync.init()."""
 
 
-class CommunicationError(RingsyncError):
+class MismatchError(UsageError, RuntimeError):
+    """A collective refused once the ranks compared their calls: they disagreed about it
+    (shape, dtype, op, root, ...), or it cannot run now (e.g. while a rank has joined).
+    A RuntimeError too, as Horovod's are at synchronize; nothing is broken: the next
+    call works."""
+
+
+class CommunicationError(RingsyncError, RuntimeError):
     """A peer was lost or a connection broke. Recoverable: the communicator must be
     shut down and built again (elastic recovery does this) before the next collective."""
 

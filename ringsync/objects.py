@@ -1,7 +1,8 @@
 """Python objects between ranks: pickled, then moved as bytes by the core's collectives.
 Only for peers you trust (unpickling runs code), as in Horovod.
 
-`process_set`: the Communicator to use (default: the one ringsync.init() made)."""
+`process_set`: a ProcessSet or Communicator (default: the job's, made by ringsync.init());
+root_rank is a rank of the job, as in Horovod, also in a process set."""
 import pickle
 
 import numpy as np
@@ -12,12 +13,13 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     import ringsync as rs
     comm = rs._comm(process_set)
     name = name or "broadcast_object"
-    mine = comm.rank() == root_rank
+    mine = comm.world_rank() == root_rank
     payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if mine else None
     size = comm.broadcast(np.array([0 if payload is None else payload.size], np.int64),
                           root_rank, name=f"{name}.size")
     buf = payload if payload is not None else np.empty(int(size[0]), np.uint8)
-    return pickle.loads(comm.broadcast(buf, root_rank, name=f"{name}.data").tobytes())
+    data = comm.broadcast(buf, root_rank, name=f"{name}.data")
+    return obj if mine else pickle.loads(data.tobytes())  # the root keeps its own, as Horovod
 
 
 def allgather_object(obj, name=None, process_set=None):

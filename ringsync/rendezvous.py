@@ -15,7 +15,7 @@ Two kinds exist:
 """
 import abc
 import threading
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 from .errors import CommunicationError, UsageError
 
@@ -37,6 +37,12 @@ class Rendezvous(abc.ABC):
     def bcast(self, obj: Any, root: int = 0) -> Any:
         """root's obj on every rank (the others' obj is ignored)."""
         return self.allgather(obj if self.rank == root else None)[root]
+
+    def split(self, ranks: Sequence[int]) -> Optional["Rendezvous"]:
+        """A rendezvous of `ranks` (sorted, distinct ranks of this one; their order is the
+        new numbering), or None on a rank not among them. Collective: every rank here
+        calls it, with the same ranks (a process set is built over one)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be split")
 
     def close(self) -> None:
         """Release what the rendezvous holds; the Communicator calls it when it shuts down."""
@@ -135,6 +141,13 @@ class ThreadRendezvous(Rendezvous):
 
     def allgather(self, obj: Any) -> List[Any]:
         return self.group._exchange(self.rank, obj)
+
+    def split(self, ranks: Sequence[int]) -> Optional["ThreadRendezvous"]:
+        # The first member makes the new group; one exchange hands it to the others.
+        ranks = list(ranks)
+        offer = ThreadGroup(len(ranks), self.group.timeout) if self.rank == ranks[0] else None
+        group = self.allgather(offer)[ranks[0]]
+        return group.rendezvous(ranks.index(self.rank)) if self.rank in ranks else None
 
     def __repr__(self) -> str:
         return f"<ringsync.ThreadRendezvous rank {self.rank} of {self.size}>"

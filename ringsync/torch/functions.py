@@ -6,6 +6,7 @@ import torch
 
 import ringsync as _rs
 from ringsync.errors import UsageError
+from ringsync.process_sets import global_process_set
 from ringsync.objects import allgather_object, broadcast_object  # noqa: F401 (re-exported)
 
 from . import mpi_ops
@@ -20,10 +21,11 @@ def _named_tensors(params):
     return [(str(i), p) for i, p in enumerate(items)]
 
 
-def broadcast_parameters(params, root_rank=0, prefix="broadcast.param", process_set=None):
+def broadcast_parameters(params, root_rank=0, prefix="broadcast.param",
+                         process_set=global_process_set):
     """Overwrite params (a state_dict, named_parameters() or a list of tensors) with
-    root_rank's values, in place, on every rank (of process_set, a Communicator; default:
-    the one init() made)."""
+    root_rank's values, in place, on every rank (of process_set: a ProcessSet or
+    Communicator; default: the job's)."""
     handles = []
     for name, p in _named_tensors(params):
         if not isinstance(p, torch.Tensor):
@@ -35,10 +37,14 @@ def broadcast_parameters(params, root_rank=0, prefix="broadcast.param", process_
         mpi_ops.synchronize(h)
 
 
-def broadcast_optimizer_state(optimizer, root_rank=0, process_set=None):
+def broadcast_optimizer_state(optimizer, root_rank=0, model=None, process_set=global_process_set):
     """Make every rank's optimizer state (hyperparameters and buffers such as momentum)
-    equal to root_rank's, including ranks whose state is not initialised yet."""
+    equal to root_rank's, including ranks whose state is not initialised yet. (`model`
+    is accepted for Horovod's signature: the whole state_dict travels, so no step is
+    needed to create state first.)"""
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise UsageError("broadcast_optimizer_state: cannot broadcast torch.optim.LBFGS state")
     state = broadcast_object(optimizer.state_dict(), root_rank, name="broadcast.optimizer_state",
                              process_set=process_set)
-    if _rs._comm(process_set).rank() != root_rank:
+    if _rs._comm(process_set).world_rank() != root_rank:
         optimizer.load_state_dict(state)

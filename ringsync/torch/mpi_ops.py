@@ -1,24 +1,32 @@
-"""Collectives on torch tensors (Horovod's horovod.torch.mpi_ops names), synchronous,
-asynchronous and in place; allreduce, allgather and broadcast are differentiable.
+"""Collectives on torch tensors with horovod.torch's names, argument order and defaults:
+synchronous, asynchronous and in place, single and grouped; the synchronous out-of-place
+forms are differentiable as Horovod's are.
 
 The synchronous calls (and the differentiable ones' forward and backward passes, which
 wait too) are blocking calls in the core's sense (_blocking): with every rank on one host
 they take the same-host lane, exactly as the numpy API's and eager TensorFlow's do, so
-that ranks of different frameworks meet there."""
+that ranks of different frameworks meet there.
+
+process_set, in every function here: a ProcessSet (global_process_set by default) or a
+ringsync Communicator. root_rank is a rank of the job, as in Horovod, also in a set."""
 
 import numpy as np
 import torch
 
 import ringsync as _rs
 from ringsync import Average, Handle, Max, Min, Product, ReduceOp, Sum
-from ringsync._adapters import check_differentiable, grad_name
+from ringsync._adapters import check_differentiable, grad_name, resolve_op
+from ringsync._core import even_split
+from ringsync.errors import UsageError
+from ringsync.process_sets import global_process_set
 
 from ._tensors import host_view, result_like, shares_memory
+from .compression import Compression
+
+PS = global_process_set  # (short, for the signatures below)
 
 
-def _comm(process_set=None):
-    """process_set, in every function here: the Communicator to use (default: the one
-    init() made). Horovod's process sets will take this keyword too."""
+def _comm(process_set):
     return _rs._comm(process_set)
 
 
@@ -39,32 +47,35 @@ def _in_place(submit, tensor: torch.Tensor, what: str) -> Handle:
     return handle.then(copy_back)
 
 
-def allreduce_async_(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None,
-                     process_set=None, _blocking=False):
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                     postscale_factor=1.0, process_set=PS, _blocking=False):
+    op = resolve_op(average, op, "torch.allreduce_async_")
     return _in_place(lambda a: _comm(process_set).allreduce_async_(
         a, op, prescale_factor, postscale_factor, name, _blocking), tensor, "allreduce_async_")
 
 
-def allreduce_(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None,
-               process_set=None):
-    return synchronize(allreduce_async_(tensor, op, prescale_factor, postscale_factor, name,
-                                        process_set, _blocking=True))
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+               postscale_factor=1.0, process_set=PS):
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
+                                        postscale_factor, process_set, _blocking=True))
 
 
-def broadcast_async_(tensor, root_rank, name=None, process_set=None, _blocking=False):
+def broadcast_async_(tensor, root_rank, name=None, process_set=PS, _blocking=False):
     return _in_place(lambda a: _comm(process_set).broadcast_async_(a, root_rank, name, _blocking),
                      tensor, "broadcast_async_")
 
 
-def broadcast_(tensor, root_rank, name=None, process_set=None):
+def broadcast_(tensor, root_rank, name=None, process_set=PS):
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set, _blocking=True))
 
 
-def grouped_allreduce_async_(tensors, op=Average, prescale_factor=1.0, postscale_factor=1.0,
-                             name=None, process_set=None):
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                             postscale_factor=1.0, process_set=PS, _blocking=False):
+    op = resolve_op(average, op, "torch.grouped_allreduce_async_")
     views = [host_view(t, "grouped_allreduce_async_") for t in tensors]
-    handle = _comm(process_set).grouped_allreduce_async_([a for a, _ in views], op, prescale_factor,
-                                              postscale_factor, name)
+    handle = _comm(process_set).grouped_allreduce_async(
+        [a for a, _ in views], op, prescale_factor, postscale_factor, name, _in_place=True,
+        _blocking=_blocking)
 
     def copy_back(_):
         with torch.no_grad():
@@ -76,10 +87,10 @@ def grouped_allreduce_async_(tensors, op=Average, prescale_factor=1.0, postscale
     return handle.then(copy_back)
 
 
-def grouped_allreduce_(tensors, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None,
-                       process_set=None):
-    return synchronize(grouped_allreduce_async_(tensors, op, prescale_factor, postscale_factor,
-                                                name, process_set))
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                       postscale_factor=1.0, process_set=PS):
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                                postscale_factor, process_set, _blocking=True))
 
 
 # ---- out of place, asynchronous ----
@@ -89,45 +100,96 @@ def _out_of_place(submit, tensor, what):
     return submit(arr).then(lambda result: result_like(result, tensor))
 
 
-def allreduce_async(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None,
-                    process_set=None, _blocking=False):
+def _each_like(tensors):
+    return lambda results: [result_like(r, t) for r, t in zip(results, tensors)]
+
+
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                    postscale_factor=1.0, process_set=PS, _blocking=False):
+    op = resolve_op(average, op, "torch.allreduce_async")
     return _out_of_place(lambda a: _comm(process_set).allreduce_async(
         a, op, prescale_factor, postscale_factor, name, _blocking), tensor, "allreduce_async")
 
 
-def grouped_allreduce_async(tensors, op=Average, prescale_factor=1.0, postscale_factor=1.0,
-                            name=None, process_set=None):
+def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                            postscale_factor=1.0, process_set=PS, _blocking=False):
+    op = resolve_op(average, op, "torch.grouped_allreduce_async")
     arrays = [host_view(t, "grouped_allreduce_async")[0] for t in tensors]
-    handle = _comm(process_set).grouped_allreduce_async(arrays, op, prescale_factor,
-                                                        postscale_factor, name)
-    return handle.then(lambda results: [result_like(r, t) for r, t in zip(results, tensors)])
+    handle = _comm(process_set).grouped_allreduce_async(
+        arrays, op, prescale_factor, postscale_factor, name, _blocking=_blocking)
+    return handle.then(_each_like(tensors))
 
 
-def allgather_async(tensor, name=None, process_set=None, _blocking=False):
+def allgather_async(tensor, name=None, process_set=PS, _blocking=False):
     return _out_of_place(lambda a: _comm(process_set).allgather_async(a, name, _blocking),
                          tensor, "allgather_async")
 
 
-def broadcast_async(tensor, root_rank, name=None, process_set=None, _blocking=False):
+def grouped_allgather_async(tensors, name=None, process_set=PS, _blocking=False):
+    arrays = [host_view(t, "grouped_allgather_async")[0] for t in tensors]
+    handle = _comm(process_set).grouped_allgather_async(arrays, name, _blocking)
+    return handle.then(_each_like(tensors))
+
+
+def broadcast_async(tensor, root_rank, name=None, process_set=PS, _blocking=False):
     return _out_of_place(lambda a: _comm(process_set).broadcast_async(a, root_rank, name,
                                                                       _blocking),
                          tensor, "broadcast_async")
 
 
-def reducescatter_async(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None,
-                        process_set=None, _blocking=False):
+def reducescatter_async(tensor, name=None, op=Average, process_set=PS, prescale_factor=1.0,
+                        postscale_factor=1.0, _blocking=False):
     return _out_of_place(lambda a: _comm(process_set).reducescatter_async(
         a, op, prescale_factor, postscale_factor, name, _blocking), tensor, "reducescatter_async")
 
 
-def alltoall_async(tensor, splits=None, name=None, process_set=None, _blocking=False):
+def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=PS,
+                                prescale_factor=1.0, postscale_factor=1.0, _blocking=False):
+    arrays = [host_view(t, "grouped_reducescatter_async")[0] for t in tensors]
+    handle = _comm(process_set).grouped_reducescatter_async(
+        arrays, op, prescale_factor, postscale_factor, name, _blocking)
+    return handle.then(_each_like(tensors))
+
+
+def alltoall_async(tensor, splits=None, name=None, process_set=PS, _blocking=False):
+    """synchronize returns (output, rows received from each rank), as Horovod's does.
+    splits=None: the rows split as evenly as possible (the first ranks one more)."""
+    comm = _comm(process_set)
     if isinstance(splits, torch.Tensor):
         splits = splits.detach().cpu().numpy()
     arr, _ = host_view(tensor, "alltoall_async")
-    handle = _comm(process_set).alltoall_async(arr, splits, name, _blocking)
-    if splits is None:
-        return handle.then(lambda out: result_like(out, tensor))
-    return handle.then(lambda res: (result_like(res[0], tensor), torch.from_numpy(res[1])))
+    if splits is None and arr.ndim:
+        splits = even_split(arr.shape[0], comm.size())
+    handle = comm.alltoall_async(arr, splits, name, _blocking)
+    return handle.then(lambda res: (result_like(res[0], tensor),
+                                    torch.from_numpy(np.asarray(res[1], dtype=np.int32))))
+
+
+def sparse_allreduce_async(tensor, name, op, process_set=PS):
+    """Allreduce of a sparse COO tensor: every rank's indices and values are allgathered
+    (so the result holds every rank's entries, uncoalesced: duplicates add up when it is
+    coalesced or used); Average divides the values by the number of ranks. Returns a
+    function that waits and returns the result (not a handle), as Horovod's does."""
+    if not tensor.is_sparse:
+        raise UsageError(f"ringsync.torch.sparse_allreduce_async: tensor '{name}' is not sparse")
+    ReduceOp(op)  # (raises on unknown ops)
+    if op not in (Average, Sum):
+        raise UsageError(f"ringsync.torch.sparse_allreduce_async: tensor '{name}': only Sum "
+                         f"and Average are defined for sparse tensors, got {ReduceOp(op).name}")
+    comm = _comm(process_set)
+    indices = allgather_async(tensor._indices().transpose(0, 1).contiguous(),
+                              f"{name}.indices", process_set)
+    values = allgather_async(tensor._values().contiguous(), f"{name}.values", process_set)
+
+    def wait():
+        gathered_values = synchronize(values)
+        gathered_indices = synchronize(indices)
+        if op == Average:
+            gathered_values = gathered_values / comm.size()
+        return torch.sparse_coo_tensor(gathered_indices.transpose(0, 1), gathered_values,
+                                       tensor.size(), dtype=tensor.dtype)
+
+    return wait
 
 
 def poll(handle: Handle) -> bool:
@@ -138,7 +200,22 @@ def synchronize(handle: Handle):
     return _rs.synchronize(handle)
 
 
+def barrier(process_set=PS):
+    """Returns once every rank of the set has called barrier()."""
+    _comm(process_set).barrier()
+
+
+def join(device=-1) -> int:
+    """This rank has run out of data: it takes part in the other ranks' allreduces with
+    zeros until every rank has joined; returns the last rank to join. (`device` is
+    accepted for Horovod compatibility; tensors are staged through host memory.)"""
+    return _comm(None).join()
+
+
 # ---- differentiable collectives ----
+# Horovod's rules: the gradient of a collective is a collective of the gradients; where a
+# rank's input reaches other ranks' outputs (allgather, broadcast), the gradient averages
+# the ranks' upstream gradients, so that a learning rate means what it means on one rank.
 
 class _Allreduce(torch.autograd.Function):
     """d/dx_r of prescale*postscale*reduce(x) is the same reduction of the incoming grads."""
@@ -146,20 +223,46 @@ class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, op, prescale, postscale, name, process_set):
         ctx.args = (op, prescale, postscale, name, process_set)
-        return synchronize(allreduce_async(tensor, op, prescale, postscale, name, process_set,
-                                           _blocking=True))
+        return synchronize(allreduce_async(tensor, None, name, op, prescale, postscale,
+                                           process_set, _blocking=True))
 
     @staticmethod
     def backward(ctx, grad):
         op, prescale, postscale, name, process_set = ctx.args
         check_differentiable(op, "torch.allreduce")
-        return (synchronize(allreduce_async(grad, op, prescale, postscale, grad_name(name),
+        return (synchronize(allreduce_async(grad, None, grad_name(name), op, prescale, postscale,
                                             process_set)),
                 None, None, None, None, None)
 
 
+class _GroupedAllreduce(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, op, prescale, postscale, name, process_set, *tensors):
+        ctx.args = (op, prescale, postscale, name, process_set)
+        return tuple(synchronize(grouped_allreduce_async(
+            list(tensors), None, name, op, prescale, postscale, process_set, _blocking=True)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        op, prescale, postscale, name, process_set = ctx.args
+        check_differentiable(op, "torch.grouped_allreduce")
+        summed = synchronize(grouped_allreduce_async(list(grads), None, grad_name(name), op,
+                                                     prescale, postscale, process_set))
+        return (None, None, None, None, None, *summed)
+
+
+def _my_rows_of_mean(grad, rows, name, process_set):
+    """The rows of the ranks-averaged grad that came from this rank's input."""
+    comm = _comm(process_set)
+    counts = comm.allgather(np.array([rows]), None if name is None else f"{name}.rows")
+    start = int(counts[: comm.rank()].sum())
+    return grad[start: start + rows]
+
+
 class _Allgather(torch.autograd.Function):
-    """The gradient of a concatenation: every rank's gradient summed, then this rank's rows."""
+    """The gradient of a concatenation: the ranks' upstream gradients averaged, then this
+    rank's rows of it (Horovod's rule)."""
 
     @staticmethod
     def forward(ctx, tensor, name, process_set):
@@ -171,17 +274,33 @@ class _Allgather(torch.autograd.Function):
     def backward(ctx, grad):
         # Rows per rank are exchanged here, not forward, so that forward passes run the
         # same collectives whether or not gradients are wanted (and in any framework).
-        comm = _comm(ctx.process_set)
-        rows = comm.allgather(np.array([ctx.rows]),
-                              None if ctx.name is None else f"{ctx.name}.grad.rows")
-        start = int(rows[: comm.rank()].sum())
-        summed = synchronize(allreduce_async(grad, Sum, name=grad_name(ctx.name),
-                                             process_set=ctx.process_set))
-        return summed[start: start + ctx.rows].reshape(ctx.shape), None, None
+        mean = synchronize(allreduce_async(grad, name=grad_name(ctx.name), op=Average,
+                                           process_set=ctx.process_set))
+        mine = _my_rows_of_mean(mean, ctx.rows, grad_name(ctx.name), ctx.process_set)
+        return mine.reshape(ctx.shape), None, None
+
+
+class _GroupedAllgather(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, name, process_set, *tensors):
+        ctx.rows = [t.shape[0] if t.dim() else 1 for t in tensors]
+        ctx.shapes, ctx.name, ctx.process_set = [t.shape for t in tensors], name, process_set
+        return tuple(synchronize(grouped_allgather_async(list(tensors), name, process_set,
+                                                         _blocking=True)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        means = synchronize(grouped_allreduce_async(list(grads), name=grad_name(ctx.name),
+                                                    op=Average, process_set=ctx.process_set))
+        mine = [_my_rows_of_mean(m, rows, f"{grad_name(ctx.name)}.{i}", ctx.process_set)
+                .reshape(shape)
+                for i, (m, rows, shape) in enumerate(zip(means, ctx.rows, ctx.shapes))]
+        return (None, None, *mine)
 
 
 class _Broadcast(torch.autograd.Function):
-    """Only the root's input reaches the outputs: it gets the sum of their gradients."""
+    """Only the root's input reaches the outputs: it gets the ranks' gradients averaged."""
 
     @staticmethod
     def forward(ctx, tensor, root_rank, name, process_set):
@@ -190,55 +309,176 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        summed = synchronize(allreduce_async(grad, Sum, name=grad_name(ctx.name),
-                                             process_set=ctx.process_set))
-        mine = _comm(ctx.process_set).rank() == ctx.root
-        return (summed if mine else torch.zeros_like(summed)), None, None, None
+        mean = synchronize(allreduce_async(grad, name=grad_name(ctx.name), op=Average,
+                                           process_set=ctx.process_set))
+        comm = _comm(ctx.process_set)
+        mine = comm.world_rank() == ctx.root
+        return (mean if mine else torch.zeros_like(mean)), None, None, None
 
 
-def allreduce(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None,
-              process_set=None):
-    """A new tensor: tensor reduced over all ranks. Differentiable for Sum and Average."""
-    if tensor.requires_grad and torch.is_grad_enabled():
-        return _Allreduce.apply(tensor, op, prescale_factor, postscale_factor, name, process_set)
-    return synchronize(allreduce_async(tensor, op, prescale_factor, postscale_factor, name,
-                                       process_set, _blocking=True))
+class _Alltoall(torch.autograd.Function):
+    """Each received row's gradient goes back to the rank it came from."""
+
+    @staticmethod
+    def forward(ctx, tensor, splits, name, process_set):
+        out, received = synchronize(alltoall_async(tensor, splits, name, process_set,
+                                                   _blocking=True))
+        ctx.received, ctx.name, ctx.process_set = received, name, process_set
+        ctx.mark_non_differentiable(received)
+        return out, received
+
+    @staticmethod
+    def backward(ctx, grad, _received_grad):
+        back, _ = synchronize(alltoall_async(grad.contiguous(), ctx.received,
+                                             grad_name(ctx.name), ctx.process_set))
+        return back, None, None, None
 
 
-def grouped_allreduce(tensors, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None,
-                      process_set=None):
-    return synchronize(grouped_allreduce_async(tensors, op, prescale_factor, postscale_factor,
-                                               name, process_set))
+class _Reducescatter(torch.autograd.Function):
+    """Horovod's rule: the incoming gradient scaled as the forward pass scaled (times the
+    number of ranks for Sum), then allgathered."""
+
+    @staticmethod
+    def forward(ctx, tensor, op, prescale, postscale, name, process_set):
+        check_differentiable(op, "torch.reducescatter")
+        ctx.args = (op, prescale, postscale, name, process_set)
+        return synchronize(reducescatter_async(tensor, name, op, process_set, prescale,
+                                               postscale, _blocking=True))
+
+    @staticmethod
+    def backward(ctx, grad):
+        op, prescale, postscale, name, process_set = ctx.args
+        return (synchronize(allgather_async(_reducescatter_grad_scale(grad, op, prescale,
+                                                                      postscale, process_set),
+                                            grad_name(name), process_set)),
+                None, None, None, None, None)
 
 
-def allgather(tensor, name=None, process_set=None):
+class _GroupedReducescatter(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, op, prescale, postscale, name, process_set, *tensors):
+        check_differentiable(op, "torch.grouped_reducescatter")
+        ctx.args = (op, prescale, postscale, name, process_set)
+        return tuple(synchronize(grouped_reducescatter_async(
+            list(tensors), name, op, process_set, prescale, postscale, _blocking=True)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        op, prescale, postscale, name, process_set = ctx.args
+        scaled = [_reducescatter_grad_scale(g, op, prescale, postscale, process_set)
+                  for g in grads]
+        return (None, None, None, None, None,
+                *synchronize(grouped_allgather_async(scaled, grad_name(name), process_set)))
+
+
+def _reducescatter_grad_scale(grad, op, prescale, postscale, process_set):
+    factor = prescale * postscale * (_comm(process_set).size() if op == Sum else 1)
+    return grad * factor if factor != 1 else grad
+
+
+def _wants_grad(tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _compressed(compression, tensors):
+    pairs = [compression.compress(t) for t in tensors]
+    return [t for t, _ in pairs], [c for _, c in pairs]
+
+
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
+              prescale_factor=1.0, postscale_factor=1.0, process_set=PS):
+    """A new tensor: tensor reduced over the set's ranks (op=None: Average; average= is
+    Horovod's deprecated spelling). Differentiable for Sum and Average."""
+    op = resolve_op(average, op, "torch.allreduce")
+    (wire,), (ctx,) = _compressed(compression, [tensor])
+    if _wants_grad([wire]):
+        out = _Allreduce.apply(wire, op, prescale_factor, postscale_factor, name, process_set)
+    else:
+        out = synchronize(allreduce_async(wire, None, name, op, prescale_factor,
+                                          postscale_factor, process_set, _blocking=True))
+    return compression.decompress(out, ctx)
+
+
+def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
+                      prescale_factor=1.0, postscale_factor=1.0, process_set=PS):
+    """A list of new tensors, reduced as one unit. Differentiable for Sum and Average."""
+    op = resolve_op(average, op, "torch.grouped_allreduce")
+    wires, ctxs = _compressed(compression, tensors)
+    if _wants_grad(wires):
+        outs = _GroupedAllreduce.apply(op, prescale_factor, postscale_factor, name, process_set,
+                                       *wires)
+    else:
+        outs = synchronize(grouped_allreduce_async(wires, None, name, op, prescale_factor,
+                                                   postscale_factor, process_set, _blocking=True))
+    return [compression.decompress(o, c) for o, c in zip(outs, ctxs)]
+
+
+def allgather(tensor, name=None, process_set=PS):
     """Every rank's tensor concatenated along the first dimension. Differentiable."""
-    if tensor.requires_grad and torch.is_grad_enabled():
+    if _wants_grad([tensor]):
         return _Allgather.apply(tensor, name, process_set)
     return synchronize(allgather_async(tensor, name, process_set, _blocking=True))
 
 
-def broadcast(tensor, root_rank, name=None, process_set=None):
+def grouped_allgather(tensors, name=None, process_set=PS):
+    """allgather of each tensor, as one unit. Differentiable."""
+    if _wants_grad(tensors):
+        return list(_GroupedAllgather.apply(name, process_set, *tensors))
+    return synchronize(grouped_allgather_async(tensors, name, process_set, _blocking=True))
+
+
+def broadcast(tensor, root_rank, name=None, process_set=PS):
     """A new tensor with root_rank's values. Differentiable."""
-    if tensor.requires_grad and torch.is_grad_enabled():
+    if _wants_grad([tensor]):
         return _Broadcast.apply(tensor, root_rank, name, process_set)
     return synchronize(broadcast_async(tensor, root_rank, name, process_set, _blocking=True))
 
 
-def reducescatter(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None,
-                  process_set=None):
-    return synchronize(reducescatter_async(tensor, op, prescale_factor, postscale_factor, name,
-                                           process_set, _blocking=True))
+def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=PS,
+                  prescale_factor=1.0, postscale_factor=1.0):
+    """This rank's rows of tensor reduced over the set (Sum or Average). Differentiable."""
+    (wire,), (ctx,) = _compressed(compression, [tensor])
+    if _wants_grad([wire]):
+        out = _Reducescatter.apply(wire, op, prescale_factor, postscale_factor, name,
+                                   process_set)
+    else:
+        out = synchronize(reducescatter_async(wire, name, op, process_set, prescale_factor,
+                                              postscale_factor, _blocking=True))
+    return compression.decompress(out, ctx)
 
 
-def alltoall(tensor, splits=None, name=None, process_set=None):
-    return synchronize(alltoall_async(tensor, splits, name, process_set, _blocking=True))
+def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
+                          process_set=PS, prescale_factor=1.0, postscale_factor=1.0):
+    """reducescatter of each tensor, as one unit. Differentiable."""
+    wires, ctxs = _compressed(compression, tensors)
+    if _wants_grad(wires):
+        outs = _GroupedReducescatter.apply(op, prescale_factor, postscale_factor, name,
+                                           process_set, *wires)
+    else:
+        outs = synchronize(grouped_reducescatter_async(wires, name, op, process_set,
+                                                       prescale_factor, postscale_factor,
+                                                       _blocking=True))
+    return [compression.decompress(o, c) for o, c in zip(outs, ctxs)]
+
+
+def alltoall(tensor, splits=None, name=None, process_set=PS):
+    """splits[i] rows of tensor go to rank i of the set; returns the rows received, in rank
+    order, and (when splits is given) how many came from each rank. Differentiable."""
+    if _wants_grad([tensor]):
+        out, received = _Alltoall.apply(tensor, splits, name, process_set)
+    else:
+        out, received = synchronize(alltoall_async(tensor, splits, name, process_set,
+                                                   _blocking=True))
+    return out if splits is None else (out, received)
 
 
 __all__ = [
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
-    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "allgather",
-    "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
-    "reducescatter", "reducescatter_async", "alltoall", "alltoall_async", "poll", "synchronize",
-    "Average", "Sum", "Min", "Max", "Product",
+    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
+    "sparse_allreduce_async", "allgather", "allgather_async", "grouped_allgather",
+    "grouped_allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+    "reducescatter", "reducescatter_async", "grouped_reducescatter",
+    "grouped_reducescatter_async", "alltoall", "alltoall_async", "barrier", "join", "poll",
+    "synchronize", "Average", "Sum", "Min", "Max", "Product",
 ]

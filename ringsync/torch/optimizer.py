@@ -14,6 +14,7 @@ import warnings
 import torch
 
 from ringsync import Average, ReduceOp
+from ringsync.process_sets import global_process_set
 from ringsync._core import prepare_allreduce_
 from ringsync.errors import UsageError
 
@@ -27,17 +28,21 @@ _instances = itertools.count()  # names of unnamed optimizers, in construction o
 class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer, named_parameters=None, compression=Compression.none,
                  backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
-                 process_set=None):
-        """process_set: the Communicator whose ranks average the gradients (default: the
-        one init() made, whichever it is at each step: elastic recovery replaces it)."""
+                 num_groups=0, groups=None, sparse_as_dense=False,
+                 process_set=global_process_set):
+        """Horovod's arguments. groups: an int N (the parameters in N nearly equal runs)
+        or a list of lists of parameters, each reduced as one grouped allreduce once all
+        its gradients are ready (num_groups: the deprecated spelling of an int).
+        sparse_as_dense: sparse gradients are reduced as dense tensors (else as sparse:
+        every rank's entries gathered). process_set: the ranks that average the gradients
+        (a ProcessSet or Communicator; the job's, whichever it is at each step: elastic
+        recovery replaces it)."""
         # Deliberately no super().__init__(): param_groups and state are the wrapped
         # optimizer's own (see the properties below), so there is one copy of each.
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise UsageError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
                              f"{type(optimizer).__name__}")
-        if backward_passes_per_step < 1:
-            raise UsageError(f"backward_passes_per_step must be at least 1, got "
-                             f"{backward_passes_per_step}")
+        _check_passes(backward_passes_per_step)
         if gradient_predivide_factor != 1.0 and ReduceOp(op) != ReduceOp.AVERAGE:
             raise UsageError("gradient_predivide_factor only applies to op=Average")
         self._optimizer = optimizer
@@ -46,8 +51,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._op = op
         self._process_set = process_set
         self._predivide = gradient_predivide_factor
+        self._sparse_as_dense = sparse_as_dense
         self._names = self._parameter_names(named_parameters, next(_instances))
+        self._group_of = _gradient_groups(list(self._names), num_groups, groups)
         self._pending = {}  # parameter -> (handle, wire tensor, compression context)
+        self._ready_in_group = {}  # group -> its parameters whose gradients are ready
         self._prepared = {}  # parameter -> (PreparedAllreduce, grad dtype, grad shape)
         if ReduceOp(op) == ReduceOp.AVERAGE:
             self._scale = dict(prescale_factor=1.0 / gradient_predivide_factor,
@@ -59,6 +67,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._should_synchronize = True
         self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_ready)
                        for p in self._names if p.requires_grad]
+
+    def set_backward_passes_per_step(self, passes: int):
+        """Reduce every `passes` backward passes from now on (gradients accumulate locally
+        in between)."""
+        _check_passes(passes)
+        self._passes_per_step = passes
+        self._passes = {p: 0 for p in self._names}
 
     # ---- the wrapped optimizer's state, shared rather than copied ----
 
@@ -120,18 +135,33 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _gradient_ready(self, p):
         """Hook: p.grad has been accumulated by one backward pass."""
-        if p in self._pending:
+        if p in self._pending or p in self._ready_in_group.get(self._group_of.get(p), ()):
             raise UsageError(
                 f"the gradient of '{self._names[p]}' was computed more than "
                 f"backward_passes_per_step={self._passes_per_step} times before step(); call "
                 "step() (or synchronize()) first, or raise backward_passes_per_step")
         self._passes[p] += 1
         if self._passes[p] == self._passes_per_step:
+            self._gradient_complete(p)
+
+    def _gradient_complete(self, p):
+        group = self._group_of.get(p)
+        if group is None:
             self._start_reduction(p)
+            return
+        ready = self._ready_in_group.setdefault(group, set())  # (tensors hash by identity)
+        ready.add(p)
+        if len(ready) == len(group):
+            self._start_group(group)
 
     def _start_reduction(self, p):
-        if p.grad is None:  # a parameter that took no part in this step on this rank
-            p.grad = torch.zeros_like(p)
+        self._passes[p] = 0
+        grad = self._dense_grad(p)
+        if grad.is_sparse:
+            wait = mpi_ops.sparse_allreduce_async(grad, self._names[p], self._op,
+                                                  self._process_set)
+            self._pending[p] = (wait, None, "sparse")
+            return
         handle = self._start_prepared(p)
         if handle is not None:
             self._pending[p] = (handle, p.grad, None)
@@ -140,7 +170,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
             handle = mpi_ops.allreduce_async_(wire, op=self._op, name=self._names[p],
                                               process_set=self._process_set, **self._scale)
             self._pending[p] = (handle, wire, ctx)
-        self._passes[p] = 0
+
+    def _dense_grad(self, p):
+        """p.grad, made to exist (zeros for a parameter that took no part this step on
+        this rank) and dense where sparse gradients are to travel dense."""
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        elif p.grad.is_sparse and self._sparse_as_dense:
+            p.grad = p.grad.to_dense()
+        return p.grad
+
+    def _start_group(self, group):
+        """Every gradient of the group is ready: one grouped allreduce for all of them."""
+        self._ready_in_group.pop(group, None)
+        grads = []
+        for p in group:
+            self._passes[p] = 0
+            grad = self._dense_grad(p)
+            if grad.is_sparse:
+                grad = p.grad = grad.to_dense()  # a group travels as one dense unit
+            grads.append(self._compression.compress(grad))
+        handle = mpi_ops.grouped_allreduce_async_(
+            [w for w, _ in grads], op=self._op, name=f"{self._names[group[0]]}.group",
+            process_set=self._process_set, **self._scale)
+        for i, (p, (wire, ctx)) in enumerate(zip(group, grads)):
+            self._pending[p] = (handle if i == 0 else None, wire, ctx)
 
     def _start_prepared(self, p):
         """The common case — an uncompressed, contiguous CPU gradient — submitted through a
@@ -165,6 +219,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Wait until every parameter's gradient holds its reduction over all ranks.
         Parameters whose gradient did not arrive this step (on this rank) are reduced too,
         as zeros, so that every rank reduces the same tensors."""
+        for group in dict.fromkeys(self._group_of.values()):  # (in parameter order)
+            if any(p not in self._pending for p in group):  # (dict lookups: by identity)
+                self._start_group(group)  # the same groups on every rank, in one order
         for p in self._names:
             if p.requires_grad and p not in self._pending:
                 self._start_reduction(p)
@@ -172,11 +229,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         failure = None
         for p, (handle, wire, ctx) in pending.items():
             try:
-                mpi_ops.synchronize(handle)
+                result = handle() if ctx == "sparse" else \
+                    (mpi_ops.synchronize(handle) if handle is not None else None)
             except Exception as e:  # wait for the others, then raise the first failure
                 failure = failure or e
                 continue
-            if wire is not p.grad:
+            if ctx == "sparse":
+                p.grad = result.coalesce()
+            elif wire is not p.grad:
                 with torch.no_grad():
                     p.grad.copy_(self._compression.decompress(wire, ctx))
         self._synchronized = True
@@ -187,6 +247,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Forget the reductions in flight, which a failed ring will never complete
         (elastic recovery calls this); the gradients keep whatever they hold."""
         self._pending = {}
+        self._ready_in_group = {}
         self._passes = {p: 0 for p in self._names}
         self._synchronized = False
 
@@ -215,3 +276,43 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"optimizer.zero_grad() was called while {len(self._pending)} gradient "
                 "reductions are pending; call step() or synchronize() first")
         self._optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def _check_passes(passes) -> None:
+    if not isinstance(passes, int) or passes < 1:
+        raise UsageError(f"backward_passes_per_step must be an int of at least 1, got {passes!r}")
+
+
+def _gradient_groups(params, num_groups, groups):
+    """parameter -> its group (a tuple of parameters, in optimizer order), for the
+    parameters reduced in groups; the others are reduced one by one."""
+    if num_groups:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be "
+                      "removed in v0.23.0.", DeprecationWarning, stacklevel=3)
+        groups = num_groups if groups is None else groups
+    if groups is None:
+        return {}
+    if isinstance(groups, int) and not isinstance(groups, bool):
+        if groups < 1:
+            raise UsageError(f"groups should be a positive int or a list of lists of "
+                             f"parameters, got {groups}")
+        sizes = [len(params) // groups + (i < len(params) % groups) for i in range(groups)]
+        runs, start = [], 0
+        for n in sizes:
+            runs.append(params[start:start + n])
+            start += n
+    else:
+        runs = [list(g) for g in groups]
+        flat = [p for g in runs for p in g]
+        if any(not isinstance(p, torch.Tensor) for p in flat):
+            raise UsageError("groups must consist of torch.Tensor")
+        if len({id(p) for p in flat}) != len(flat):
+            raise UsageError("a parameter can only appear once in groups")
+    order = {p: i for i, p in enumerate(params)}
+    group_of = {}
+    for run in runs:
+        members = tuple(sorted((p for p in run if p in order and p.requires_grad),
+                               key=order.get))
+        for p in members:
+            group_of[p] = members
+    return group_of

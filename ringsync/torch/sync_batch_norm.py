@@ -6,45 +6,35 @@ exact gradient of the global normalisation without a hand-written backward.
 """
 import torch
 import torch.nn.functional as F
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from ringsync import Sum
+from ringsync.process_sets import global_process_set
 
 from . import mpi_ops
 
 
-class SyncBatchNorm(torch.nn.Module):
+class SyncBatchNorm(_BatchNorm):
+    """A torch.nn.modules.batchnorm._BatchNorm (as torch.nn.SyncBatchNorm is, so that user
+    code that checks isinstance(m, _BatchNorm) treats it as a batch norm); its own
+    forward pass combines the ranks' statistics."""
+
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
-                 track_running_stats=True, device=None, dtype=None, process_set=None):
-        """process_set: the Communicator whose ranks' batches are normalised together
-        (default: the one init() made)."""
-        super().__init__()
+                 track_running_stats=True, device=None, dtype=None,
+                 process_set=global_process_set):
+        """process_set: the ranks whose batches are normalised together (a ProcessSet or
+        Communicator; default: the job's)."""
+        super().__init__(num_features, eps, momentum, affine, track_running_stats,
+                         device=device, dtype=dtype)
         self.process_set = process_set
-        self.num_features, self.eps, self.momentum = num_features, eps, momentum
-        self.affine, self.track_running_stats = affine, track_running_stats
-        factory = {"device": device, "dtype": dtype}
-        if affine:
-            self.weight = torch.nn.Parameter(torch.ones(num_features, **factory))
-            self.bias = torch.nn.Parameter(torch.zeros(num_features, **factory))
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
-        if track_running_stats:
-            self.register_buffer("running_mean", torch.zeros(num_features, **factory))
-            self.register_buffer("running_var", torch.ones(num_features, **factory))
-            self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
-        else:
-            self.register_buffer("running_mean", None)
-            self.register_buffer("running_var", None)
-            self.register_buffer("num_batches_tracked", None)
 
-    def extra_repr(self):
-        return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
-                f"affine={self.affine}, track_running_stats={self.track_running_stats}")
-
-    def forward(self, x):
+    def _check_input_dim(self, x):
         if x.dim() < 2 or x.shape[1] != self.num_features:
             raise ValueError(f"SyncBatchNorm expects (N, {self.num_features}, ...), got "
                              f"{tuple(x.shape)}")
+
+    def forward(self, x):
+        self._check_input_dim(x)
         if not self.training and self.track_running_stats:
             return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
                                 False, 0.0, self.eps)

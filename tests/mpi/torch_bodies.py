@@ -91,15 +91,16 @@ def gradients_through_collectives():
     y = hvd.allgather(x, name="g.gather")
     rows = torch.arange(y.shape[0], dtype=torch.float64).unsqueeze(1)
     (y * rows * (me + 1)).sum().backward()
+    # Horovod's rule: the ranks' upstream gradients averaged, this rank's rows of it.
     start = sum(r + 1 for r in range(me))
     expected = torch.arange(start, start + me + 1, dtype=torch.float64).unsqueeze(1) * \
-        sum(range(1, size + 1))
+        sum(range(1, size + 1)) / size
     assert torch.allclose(x.grad, expected.expand(me + 1, 2)), (x.grad, expected)
-    # broadcast from the last rank: only the root's input gets a gradient, the sum of all
+    # broadcast from the last rank: only the root's input gets a gradient, the mean of all
     x = torch.randn(3, dtype=torch.float64, requires_grad=True)
     y = hvd.broadcast(x, root_rank=size - 1, name="g.bcast")
     (y * (me + 1)).sum().backward()
-    root_grad = torch.full((3,), float(sum(range(1, size + 1))), dtype=torch.float64)
+    root_grad = torch.full((3,), sum(range(1, size + 1)) / size, dtype=torch.float64)
     assert torch.equal(x.grad, root_grad if me == size - 1 else torch.zeros(3, dtype=torch.float64))
     hvd.shutdown()
 

@@ -1,0 +1,27 @@
+"""horovod.torch's API, called as a Horovod user calls it (tests/mpi/horovod_torch_bodies.py,
+several bodies per job: see tests/mpi/in_order.py)."""
+import pytest
+
+pytest.importorskip("torch")
+
+from ringsync.testing import assert_mpi_ok  # noqa: E402
+
+from . import in_order  # noqa: E402
+
+pytestmark = pytest.mark.requires_mpirun
+
+MODULE = "tests.mpi.horovod_torch_bodies"
+ENV = {"RINGSYNC_TIMEOUT_SECONDS": "60", "OMP_NUM_THREADS": "1"}
+BODIES = ["argument_rules_and_compression", "sparse_allreduce_and_probes", "more_gradients",
+          "optimizer_groups_and_sparse"]
+
+
+@pytest.mark.parametrize("np", [1, 2, 3])
+def test_horovod_torch_api(np):
+    assert_mpi_ok(in_order.TARGET, np=np, timeout=400, env=ENV,
+                  args=in_order.args_for(MODULE, BODIES))
+
+
+def test_process_sets_on_four_ranks():
+    assert_mpi_ok(in_order.TARGET, np=4, timeout=300, env=ENV,
+                  args=in_order.args_for(MODULE, ["process_sets_concurrently"]))
