@@ -39,12 +39,25 @@ from .rendezvous import FaultTolerance
 class State:
     """Training state that survives a lost rank: commit() takes a snapshot (a local
     copy, no communication), restore() rolls back to one, sync() makes every rank's live
-    state equal to rank 0's. Subclasses say how to snapshot, load and broadcast."""
+    state equal to rank 0's. Subclasses say how to snapshot, load and broadcast.
 
-    def __init__(self):
+    A subclass written for Horovod's State instead (overriding save(), restore() and
+    sync(), perhaps reset(), and calling super().__init__(bcast_object, get_rank)) works
+    unchanged: commit() calls its save(), recovery calls its restore() and sync(), and
+    on_reset() its reset(). Each rank then rolls back to its own last save, and sync()
+    makes rank 0's the state of all (Horovod's semantics)."""
+
+    def __init__(self, bcast_object=None, get_rank=None):
+        """bcast_object, get_rank: accepted for Horovod's signature (ringsync's own
+        broadcast_object and rank are used; a Horovod-style subclass may call them as
+        self._bcast_object / self._rank)."""
         self._reset_callbacks: List[Callable[[], None]] = []
         self._commit_id = 0
-        self._snapshots = {0: self.snapshot()}
+        self._bcast_object = bcast_object or broadcast_object
+        self._rank = get_rank or _rs.rank
+        self._snapshots = {}
+        if type(self).snapshot is not State.snapshot:  # (a Horovod-style one saves itself)
+            self._snapshots[0] = self.snapshot()
 
     # ---- what a subclass provides ----
 
@@ -73,16 +86,39 @@ class State:
         self._reset_callbacks.extend(callbacks)
 
     def on_reset(self) -> None:
+        """After a recovery: reset(), then the reset callbacks, in order."""
+        self.reset()
         for callback in self._reset_callbacks:
             callback()
+
+    def reset(self) -> None:
+        """Horovod's hook for what must change with the ranks (nothing by default)."""
 
     def commit(self) -> None:
         """Remember the live state as the point a failure rolls back to."""
         self._commit_id += 1
+        self.save()
+        self.check_host_updates()
+
+    def save(self) -> None:
+        """Horovod's name for what commit() does locally: a snapshot of the live state."""
         self._snapshots[self._commit_id] = self.snapshot()
         # Every training step needs every rank, so no survivor is more than one commit
         # ahead of another: the newest two snapshots are all recovery can ask for.
         self._snapshots.pop(self._commit_id - 2, None)
+
+    def check_host_updates(self) -> None:
+        """Horovod raises HostsUpdatedInterrupt here when its driver found hosts added or
+        removed. ringsync has no host discovery (the rank set changes only when a rank is
+        lost, or replaced with --respawn): nothing to check."""
+
+    def _roll_back(self, commit_id) -> None:
+        """Recovery's roll-back: to commit_id (the newest every survivor holds), or, for a
+        Horovod-style subclass, through its own restore()."""
+        if type(self).restore is not State.restore:
+            self.restore()
+        else:
+            self.restore(commit_id)
 
     def restore(self, commit_id=None) -> None:
         """Roll the live state back to a commit (the newest by default)."""
@@ -126,11 +162,12 @@ class ObjectState(State):
     Values with state_dict()/load_state_dict() (an ElasticSampler, an LR scheduler) are
     saved and restored through those."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, bcast_object=None, get_rank=None, **kwargs):
+        """bcast_object, get_rank: accepted for Horovod's ObjectState signature."""
         self._object_names = list(kwargs)
         for name, value in kwargs.items():
             setattr(self, name, value)
-        super().__init__()
+        super().__init__(bcast_object, get_rank)
 
     def snapshot(self):
         return {name: capture(getattr(self, name)) for name in self._object_names}
@@ -164,7 +201,7 @@ def run(func):
                 if not _is_rank_failure(error, recovery.comm):
                     raise
                 recovery.recover(error, state.commit_id, install=_rs._install)
-                state.restore(recovery.commit)
+                state._roll_back(recovery.commit)
                 state.on_reset()
                 recovery.report()
 

@@ -1,5 +1,7 @@
 """horovod.torch's API, called as a Horovod user calls it (tests/mpi/horovod_torch_bodies.py,
 several bodies per job: see tests/mpi/in_order.py)."""
+import os
+
 import pytest
 
 pytest.importorskip("torch")
@@ -25,3 +27,20 @@ def test_horovod_torch_api(np):
 def test_process_sets_on_four_ranks():
     assert_mpi_ok(in_order.TARGET, np=4, timeout=300, env=ENV,
                   args=in_order.args_for(MODULE, ["process_sets_concurrently"]))
+
+
+def _example(name):
+    here = os.path.dirname(os.path.abspath(__file__))
+    return os.path.join(here, "..", "..", "examples", name)
+
+
+@pytest.mark.parametrize("flags", [(), ("--fp16-allreduce",)])
+def test_horovod_style_mnist_example_learns(flags):
+    """examples/pytorch_mnist.py: Horovod's example script with only the import changed."""
+    assert_mpi_ok(_example("pytorch_mnist.py"), np=2, timeout=300, env=ENV,
+                  args=("--check", *flags))
+
+
+def test_horovod_style_synthetic_benchmark_runs():
+    assert_mpi_ok(_example("pytorch_synthetic_benchmark.py"), np=2, timeout=300, env=ENV,
+                  args=("--num-iters", "1", "--num-batches-per-iter", "2", "--model", "mlp"))

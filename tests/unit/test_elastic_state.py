@@ -102,3 +102,47 @@ def test_sampler_set_epoch_starts_over_and_ignores_the_current_epoch():
     sampler.set_epoch(1)
     assert sampler.done_here == 0 and sampler.processed == set()
     assert sorted(sampler) == list(range(8)) and list(sampler) != first
+
+
+class HorovodStyleState(elastic.State):
+    """A State subclass written for Horovod: save/restore/sync/reset, its own copies."""
+
+    def __init__(self, value):
+        super().__init__(bcast_object=rs.broadcast_object, get_rank=rs.rank)
+        self.value, self.saved, self.calls = value, value, []
+
+    def save(self):
+        self.calls.append("save")
+        self.saved = self.value
+
+    def restore(self):
+        self.calls.append("restore")
+        self.value = self.saved
+
+    def sync(self):
+        self.calls.append("sync")
+
+    def reset(self):
+        self.calls.append("reset")
+
+
+def test_a_horovod_style_subclass_gets_its_own_hooks_called():
+    state = HorovodStyleState(1)
+    assert state.calls == []  # no snapshot() of ours taken behind its back
+    state.value = 2
+    state.commit()
+    assert state.calls == ["save"] and state.commit_id == 1
+    state.value = 3
+    state._roll_back(1)  # what recovery does: the subclass's own restore()
+    assert state.value == 2 and state.calls[-1] == "restore"
+    order = []
+    state.register_reset_callbacks([lambda: order.append(state.calls[-1])])
+    state.on_reset()
+    assert order == ["reset"]  # reset() first, then the callbacks
+
+
+def test_object_state_takes_horovods_positional_arguments():
+    state = elastic.ObjectState(rs.broadcast_object, rs.rank, epoch=3)
+    state.epoch = 5
+    state.restore()
+    assert state.epoch == 3
