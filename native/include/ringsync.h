@@ -31,7 +31,9 @@ typedef enum {
     RS_BFLOAT16 = 5,
     RS_FLOAT32 = 6,
     RS_FLOAT64 = 7,
-    RS_BOOL = 8 /* moved by allgather, broadcast and alltoall; never reduced */
+    RS_BOOL = 8, /* moved by allgather, broadcast and alltoall; never reduced */
+    RS_INT16 = 9,
+    RS_UINT16 = 10
 } rs_dtype_t;
 
 typedef enum {

@@ -91,42 +91,37 @@ static inline uint16_t float_to_bf16(float f) {
             a[i] = FROM_F(OP(TO_F(a[i]), TO_F(b[i])));                          \
     }
 
-/* Signed products: multiply as unsigned (wraps), same bits as a wrapping signed multiply. */
-INT_KERNEL(sum_u8, uint8_t, uint32_t, OP_SUM)
-INT_KERNEL(prod_u8, uint8_t, uint32_t, OP_PROD)
-CMP_KERNEL(min_u8, uint8_t, OP_MIN)
-CMP_KERNEL(max_u8, uint8_t, OP_MAX)
-INT_KERNEL(sum_i8, int8_t, uint32_t, OP_SUM)
-INT_KERNEL(prod_i8, int8_t, uint32_t, OP_PROD)
-CMP_KERNEL(min_i8, int8_t, OP_MIN)
-CMP_KERNEL(max_i8, int8_t, OP_MAX)
-INT_KERNEL(sum_i32, int32_t, uint32_t, OP_SUM)
-INT_KERNEL(prod_i32, int32_t, uint32_t, OP_PROD)
-CMP_KERNEL(min_i32, int32_t, OP_MIN)
-CMP_KERNEL(max_i32, int32_t, OP_MAX)
-INT_KERNEL(sum_i64, int64_t, uint64_t, OP_SUM)
-INT_KERNEL(prod_i64, int64_t, uint64_t, OP_PROD)
-CMP_KERNEL(min_i64, int64_t, OP_MIN)
-CMP_KERNEL(max_i64, int64_t, OP_MAX)
-CMP_KERNEL(sum_f32, float, OP_SUM)
-CMP_KERNEL(prod_f32, float, OP_PROD)
-CMP_KERNEL(min_f32, float, OP_MIN)
-CMP_KERNEL(max_f32, float, OP_MAX)
-CMP_KERNEL(sum_f64, double, OP_SUM)
-CMP_KERNEL(prod_f64, double, OP_PROD)
-CMP_KERNEL(min_f64, double, OP_MIN)
-CMP_KERNEL(max_f64, double, OP_MAX)
-HALF_KERNEL(sum_f16, half_to_float, float_to_half, OP_SUM)
-HALF_KERNEL(prod_f16, half_to_float, float_to_half, OP_PROD)
-HALF_KERNEL(min_f16, half_to_float, float_to_half, OP_MIN)
-HALF_KERNEL(max_f16, half_to_float, float_to_half, OP_MAX)
-HALF_KERNEL(sum_bf16, bf16_to_float, float_to_bf16, OP_SUM)
-HALF_KERNEL(prod_bf16, bf16_to_float, float_to_bf16, OP_PROD)
-HALF_KERNEL(min_bf16, bf16_to_float, float_to_bf16, OP_MIN)
-HALF_KERNEL(max_bf16, bf16_to_float, float_to_bf16, OP_MAX)
+/* The four kernels of one type: sum_SFX, prod_SFX, min_SFX, max_SFX. */
+#define INT_KERNELS(SFX, T, U)                                                  \
+    INT_KERNEL(sum_##SFX, T, U, OP_SUM)                                         \
+    INT_KERNEL(prod_##SFX, T, U, OP_PROD)                                       \
+    CMP_KERNEL(min_##SFX, T, OP_MIN)                                            \
+    CMP_KERNEL(max_##SFX, T, OP_MAX)
+#define FLOAT_KERNELS(SFX, T)                                                   \
+    CMP_KERNEL(sum_##SFX, T, OP_SUM)                                            \
+    CMP_KERNEL(prod_##SFX, T, OP_PROD)                                          \
+    CMP_KERNEL(min_##SFX, T, OP_MIN)                                            \
+    CMP_KERNEL(max_##SFX, T, OP_MAX)
+#define HALF_KERNELS(SFX, TO_F, FROM_F)                                         \
+    HALF_KERNEL(sum_##SFX, TO_F, FROM_F, OP_SUM)                                \
+    HALF_KERNEL(prod_##SFX, TO_F, FROM_F, OP_PROD)                              \
+    HALF_KERNEL(min_##SFX, TO_F, FROM_F, OP_MIN)                                \
+    HALF_KERNEL(max_##SFX, TO_F, FROM_F, OP_MAX)
 
-/* Rows: dtype; columns: sum, min, max, product (Average reduces as sum). */
-static const rs_reduce_fn kernels[8][4] = {
+/* Signed products: multiply as unsigned (wraps), same bits as a wrapping signed multiply. */
+INT_KERNELS(u8, uint8_t, uint32_t)
+INT_KERNELS(i8, int8_t, uint32_t)
+INT_KERNELS(u16, uint16_t, uint32_t)
+INT_KERNELS(i16, int16_t, uint32_t)
+INT_KERNELS(i32, int32_t, uint32_t)
+INT_KERNELS(i64, int64_t, uint64_t)
+FLOAT_KERNELS(f32, float)
+FLOAT_KERNELS(f64, double)
+HALF_KERNELS(f16, half_to_float, float_to_half)
+HALF_KERNELS(bf16, bf16_to_float, float_to_bf16)
+
+/* Rows: dtype; columns: sum, min, max, product (Average reduces as sum). Bool has none. */
+static const rs_reduce_fn kernels[RS_UINT16 + 1][4] = {
     [RS_UINT8] = {sum_u8, min_u8, max_u8, prod_u8},
     [RS_INT8] = {sum_i8, min_i8, max_i8, prod_i8},
     [RS_INT32] = {sum_i32, min_i32, max_i32, prod_i32},
@@ -135,16 +130,20 @@ static const rs_reduce_fn kernels[8][4] = {
     [RS_BFLOAT16] = {sum_bf16, min_bf16, max_bf16, prod_bf16},
     [RS_FLOAT32] = {sum_f32, min_f32, max_f32, prod_f32},
     [RS_FLOAT64] = {sum_f64, min_f64, max_f64, prod_f64},
+    [RS_INT16] = {sum_i16, min_i16, max_i16, prod_i16},
+    [RS_UINT16] = {sum_u16, min_u16, max_u16, prod_u16},
 };
 
-int rs_dtype_valid(int dtype) { return dtype >= RS_UINT8 && dtype <= RS_FLOAT64; }
-int rs_dtype_is_integer(rs_dtype_t dtype) { return dtype <= RS_INT64; }
+/* Codes are appended as dtypes are added (bool sits between), so ranges need care. */
+int rs_dtype_movable(int dtype) { return dtype >= RS_UINT8 && dtype <= RS_UINT16; }
+int rs_dtype_valid(int dtype) { return rs_dtype_movable(dtype) && dtype != RS_BOOL; }
+int rs_dtype_is_integer(rs_dtype_t dtype) {
+    return dtype <= RS_INT64 || dtype == RS_INT16 || dtype == RS_UINT16;
+}
 int rs_op_valid(int op) { return op >= RS_OP_SUM && op <= RS_OP_PRODUCT; }
 
-int rs_dtype_movable(int dtype) { return dtype >= RS_UINT8 && dtype <= RS_BOOL; }
-
 size_t rs_dtype_size(rs_dtype_t dtype) {
-    static const size_t sizes[9] = {1, 1, 4, 8, 2, 2, 4, 8, 1};
+    static const size_t sizes[RS_UINT16 + 1] = {1, 1, 4, 8, 2, 2, 4, 8, 1, 2, 2};
     return rs_dtype_movable(dtype) ? sizes[dtype] : 0;
 }
 
@@ -183,6 +182,8 @@ rs_status_t rs_divide_local(void *buf, size_t count, rs_dtype_t dtype, int divis
     switch (dtype) {
     case RS_UINT8: INT_DIVIDE(uint8_t); break;
     case RS_INT8: INT_DIVIDE(int8_t); break;
+    case RS_INT16: INT_DIVIDE(int16_t); break;
+    case RS_UINT16: INT_DIVIDE(uint16_t); break;
     case RS_INT32: INT_DIVIDE(int32_t); break;
     case RS_INT64: INT_DIVIDE(int64_t); break;
     default: return RS_ERR_USAGE;
@@ -201,6 +202,8 @@ rs_status_t rs_scale_local(void *buf, size_t count, rs_dtype_t dtype, double fac
     switch (dtype) {
     case RS_UINT8: INT_SCALE(uint8_t); break;
     case RS_INT8: INT_SCALE(int8_t); break;
+    case RS_INT16: INT_SCALE(int16_t); break;
+    case RS_UINT16: INT_SCALE(uint16_t); break;
     case RS_INT32: INT_SCALE(int32_t); break;
     case RS_INT64: INT_SCALE(int64_t); break;
     case RS_FLOAT32: {

@@ -111,9 +111,9 @@ char *rs_strdup_printf(const char *fmt, ...) {
 /* ---- names for messages ---- */
 
 const char *rs_dtype_name(int dtype) {
-    static const char *names[] = {"uint8", "int8", "int32", "int64", "float16",
-                                  "bfloat16", "float32", "float64", "bool"};
-    return dtype >= 0 && dtype <= 8 ? names[dtype] : "unknown";
+    static const char *names[] = {"uint8", "int8", "int32", "int64", "float16", "bfloat16",
+                                  "float32", "float64", "bool", "int16", "uint16"};
+    return dtype >= 0 && dtype < (int)(sizeof names / sizeof *names) ? names[dtype] : "unknown";
 }
 
 const char *rs_kind_name(int kind) {

@@ -9,7 +9,7 @@ try:  # bfloat16 comes with ml_dtypes (a TensorFlow / JAX dependency) when insta
 except ImportError:  # pragma: no cover
     bfloat16 = None
 
-INT_DTYPES = ["uint8", "int8", "int32", "int64"]
+INT_DTYPES = ["uint8", "int8", "uint16", "int16", "int32", "int64"]
 FLOAT_DTYPES = ["float16", "float32", "float64"] + (["bfloat16"] if bfloat16 else [])
 REDUCIBLE = INT_DTYPES + FLOAT_DTYPES
 MOVABLE = REDUCIBLE + ["bool"]
