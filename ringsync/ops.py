@@ -9,3 +9,5 @@ class ReduceOp(enum.IntEnum):
     MIN = 2
     MAX = 3
     PRODUCT = 4
+    # Adaptive summation (floating point allreduce only): see README "Adasum".
+    ADASUM = 5

@@ -1,6 +1,7 @@
 /* Reduction and scaling kernels. inout[i] = op(inout[i], in[i]).
  * Integers wrap on overflow (as numpy does); float16 and bfloat16 are widened to
  * float32 for every operation and rounded back to nearest-even. */
+#include <float.h>
 #include <math.h>
 #include <string.h>
 
@@ -140,7 +141,17 @@ int rs_dtype_valid(int dtype) { return rs_dtype_movable(dtype) && dtype != RS_BO
 int rs_dtype_is_integer(rs_dtype_t dtype) {
     return dtype <= RS_INT64 || dtype == RS_INT16 || dtype == RS_UINT16;
 }
-int rs_op_valid(int op) { return op >= RS_OP_SUM && op <= RS_OP_PRODUCT; }
+int rs_op_valid(int op) { return op >= RS_OP_SUM && op <= RS_OP_ADASUM; }
+
+int rs_dtype_is_float(int dtype) {
+    return dtype == RS_FLOAT16 || dtype == RS_BFLOAT16 || dtype == RS_FLOAT32 ||
+           dtype == RS_FLOAT64;
+}
+
+/* Adasum's coefficients come from dot products: they mean nothing for integers. */
+int rs_op_takes_dtype(int op, int dtype) {
+    return rs_dtype_valid(dtype) && (op != RS_OP_ADASUM || rs_dtype_is_float(dtype));
+}
 
 size_t rs_dtype_size(rs_dtype_t dtype) {
     static const size_t sizes[RS_UINT16 + 1] = {1, 1, 4, 8, 2, 2, 4, 8, 1, 2, 2};
@@ -150,8 +161,8 @@ size_t rs_dtype_size(rs_dtype_t dtype) {
 rs_reduce_fn rs_reduce_kernel(rs_dtype_t dtype, rs_op_t op) {
     static const int column[5] = {[RS_OP_SUM] = 0, [RS_OP_AVERAGE] = 0, [RS_OP_MIN] = 1,
                                   [RS_OP_MAX] = 2, [RS_OP_PRODUCT] = 3};
-    if (!rs_dtype_valid(dtype) || !rs_op_valid(op))
-        return NULL;
+    if (!rs_dtype_valid(dtype) || !rs_op_valid(op) || op == RS_OP_ADASUM)
+        return NULL; /* Adasum is no element-wise operation (rs_adasum_*) */
     return kernels[dtype][column[op]];
 }
 
@@ -232,6 +243,76 @@ rs_status_t rs_scale_local(void *buf, size_t count, rs_dtype_t dtype, double fac
     }
     default:
         return RS_ERR_USAGE;
+    }
+    return RS_OK;
+}
+
+/* ---- Adasum's arithmetic (the exchanges are in adasum.c) ---- */
+
+static inline double f32_to_double(float f) { return f; }
+static inline double f64_to_double(double f) { return f; }
+static inline float double_to_f32(double d) { return (float)d; }
+static inline double double_to_f64(double d) { return d; }
+static inline double f16_to_double(uint16_t h) { return half_to_float(h); }
+static inline uint16_t double_to_f16(double d) { return float_to_half((float)d); }
+static inline double bf16_to_double(uint16_t b) { return bf16_to_float(b); }
+static inline uint16_t double_to_bf16(double d) { return float_to_bf16((float)d); }
+
+/* dots_SFX: dot(a, b), |a|^2, |b|^2 accumulated in double. combine_SFX: out = ca*a + cb*b
+ * in double, rounded once; out may be a or b (each element is read before it is written). */
+#define ADASUM_KERNELS(SFX, T)                                                  \
+    static void dots_##SFX(const void *a, const void *b, size_t n, double s[3]) { \
+        const T *x = (const T *)a, *y = (const T *)b;                           \
+        double dot = 0, aa = 0, bb = 0;                                         \
+        for (size_t i = 0; i < n; i++) {                                        \
+            double u = SFX##_to_double(x[i]), v = SFX##_to_double(y[i]);        \
+            dot += u * v;                                                       \
+            aa += u * u;                                                        \
+            bb += v * v;                                                        \
+        }                                                                       \
+        s[0] = dot;                                                             \
+        s[1] = aa;                                                              \
+        s[2] = bb;                                                              \
+    }                                                                           \
+    static void combine_##SFX(void *out, const void *a, const void *b, size_t n, \
+                              double ca, double cb) {                           \
+        T *o = (T *)out;                                                        \
+        const T *x = (const T *)a, *y = (const T *)b;                           \
+        for (size_t i = 0; i < n; i++)                                          \
+            o[i] = double_to_##SFX(ca * SFX##_to_double(x[i]) +                 \
+                                   cb * SFX##_to_double(y[i]));                 \
+    }
+
+ADASUM_KERNELS(f16, uint16_t)
+ADASUM_KERNELS(bf16, uint16_t)
+ADASUM_KERNELS(f32, float)
+ADASUM_KERNELS(f64, double)
+
+rs_status_t rs_adasum_dots(const void *a, const void *b, size_t count, rs_dtype_t dtype,
+                           double sums[3]) {
+    switch (dtype) {
+    case RS_FLOAT16: dots_f16(a, b, count, sums); break;
+    case RS_BFLOAT16: dots_bf16(a, b, count, sums); break;
+    case RS_FLOAT32: dots_f32(a, b, count, sums); break;
+    case RS_FLOAT64: dots_f64(a, b, count, sums); break;
+    default: return RS_ERR_USAGE;
+    }
+    return RS_OK;
+}
+
+rs_status_t rs_adasum_combine(void *out, const void *a, const void *b, size_t count,
+                              rs_dtype_t dtype, const double sums[3]) {
+    /* A (nearly) zero vector keeps coefficient 1: adasum(0, b) = b, which is also what a
+     * joined rank's zeros must give. */
+    double floor = sqrt(DBL_MIN);
+    double ca = sums[1] >= floor ? 1.0 - sums[0] / (2.0 * sums[1]) : 1.0;
+    double cb = sums[2] >= floor ? 1.0 - sums[0] / (2.0 * sums[2]) : 1.0;
+    switch (dtype) {
+    case RS_FLOAT16: combine_f16(out, a, b, count, ca, cb); break;
+    case RS_BFLOAT16: combine_bf16(out, a, b, count, ca, cb); break;
+    case RS_FLOAT32: combine_f32(out, a, b, count, ca, cb); break;
+    case RS_FLOAT64: combine_f64(out, a, b, count, ca, cb); break;
+    default: return RS_ERR_USAGE;
     }
     return RS_OK;
 }

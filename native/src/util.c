@@ -123,8 +123,8 @@ const char *rs_kind_name(int kind) {
 }
 
 const char *rs_op_name(int op) {
-    static const char *names[] = {"Sum", "Average", "Min", "Max", "Product"};
-    return op >= 0 && op <= 4 ? names[op] : "unknown";
+    static const char *names[] = {"Sum", "Average", "Min", "Max", "Product", "Adasum"};
+    return op >= 0 && op < (int)(sizeof names / sizeof *names) ? names[op] : "unknown";
 }
 
 /* ---- rank lists and even splits ---- */
