@@ -36,6 +36,7 @@ Average = ReduceOp.AVERAGE
 Min = ReduceOp.MIN
 Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
+Adasum = ReduceOp.ADASUM
 
 _default = None  # the Communicator behind the module-level API
 
@@ -312,7 +313,7 @@ __all__ = [
     "alltoall_async", "barrier", "join", "poll", "broadcast_object", "allgather_object",
     "synchronize", "start_timeline", "stop_timeline", "ProcessSet", "global_process_set",
     "add_process_set", "remove_process_set",
-    "Handle", "Sum", "Average", "Min", "Max",
+    "Handle", "Sum", "Average", "Min", "Max", "Adasum",
     "Product", "ReduceOp", "Communicator", "Config", "RingsyncError", "UsageError",
     "NotInitializedError", "MismatchError", "CommunicationError", "CommunicationTimeout", "HorovodInternalError",
 ]

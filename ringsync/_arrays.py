@@ -6,10 +6,12 @@ import numpy as np
 from ._native import ffi, lib
 from .errors import UsageError
 
-# dtype name -> native code. Reductions take the first eight; bool is only moved.
+# dtype name -> native code. Reductions take all but bool, which is only moved.
 DTYPE_CODES = {
     "uint8": lib.RS_UINT8,
     "int8": lib.RS_INT8,
+    "uint16": lib.RS_UINT16,
+    "int16": lib.RS_INT16,
     "int32": lib.RS_INT32,
     "int64": lib.RS_INT64,
     "float16": lib.RS_FLOAT16,

@@ -25,7 +25,8 @@ from .ops import ReduceOp, as_op
 from .rendezvous import Rendezvous, as_rendezvous
 
 assert [int(o) for o in ReduceOp] == [lib.RS_OP_SUM, lib.RS_OP_AVERAGE, lib.RS_OP_MIN,
-                                      lib.RS_OP_MAX, lib.RS_OP_PRODUCT], "ReduceOp != ringsync.h"
+                                      lib.RS_OP_MAX, lib.RS_OP_PRODUCT, lib.RS_OP_ADASUM], \
+    "ReduceOp != ringsync.h"
 
 __all__ = ["Communicator", "Handle", "as_op", "even_split"]
 

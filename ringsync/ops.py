@@ -9,6 +9,8 @@ class ReduceOp(enum.IntEnum):
     MIN = 2
     MAX = 3
     PRODUCT = 4
+    # Adaptive summation (floating point allreduce only): see README "Adasum".
+    ADASUM = 5
 
 
 _OP_CODES = {op: int(op) for op in ReduceOp}

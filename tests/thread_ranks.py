@@ -26,6 +26,19 @@ from ringsync.rendezvous import ThreadGroup
 
 UNWIND_GRACE_S = 10.0  # after the deadline: time for aborted ranks to return
 
+# How same-host ranks move data: the default (shared memory; blocking small allreduces on
+# the lane, large allreduces staged through the segments), TCP only, the engine over the
+# shared-memory transport (as between hosts; blocking calls negotiated by name), and every
+# allreduce staged.
+PATHS = {
+    "shm": {"RINGSYNC_TRANSPORT": "shm"},
+    "tcp": {"RINGSYNC_TRANSPORT": "tcp"},
+    "shm-ring": {"RINGSYNC_TRANSPORT": "shm", "RINGSYNC_LANE_BYTES": "0",
+                 "RINGSYNC_STAGED_BYTES": "0"},
+    "staged": {"RINGSYNC_TRANSPORT": "shm", "RINGSYNC_LANE_BYTES": "0",
+               "RINGSYNC_STAGED_BYTES": "1"},
+}
+
 
 @dataclass
 class RankOutcome:

@@ -31,7 +31,9 @@ typedef enum {
     RS_BFLOAT16 = 5,
     RS_FLOAT32 = 6,
     RS_FLOAT64 = 7,
-    RS_BOOL = 8 /* moved by allgather, broadcast and alltoall; never reduced */
+    RS_BOOL = 8, /* moved by allgather, broadcast and alltoall; never reduced */
+    RS_INT16 = 9,
+    RS_UINT16 = 10
 } rs_dtype_t;
 
 typedef enum {
@@ -39,7 +41,11 @@ typedef enum {
     RS_OP_AVERAGE = 1,
     RS_OP_MIN = 2,
     RS_OP_MAX = 3,
-    RS_OP_PRODUCT = 4
+    RS_OP_PRODUCT = 4,
+    /* Adaptive summation (Maleki et al. 2020) per tensor, floating point only: pairs of
+     * vectors a, b combine as (1 - a.b/2|a|^2) a + (1 - a.b/2|b|^2) b up a binary tree of
+     * ranks. Never fused with other tensors; not divided by the rank count. */
+    RS_OP_ADASUM = 5
 } rs_op_t;
 
 typedef struct rs_comm rs_comm_t;

@@ -14,16 +14,6 @@ static int mod(int a, int n) { return ((a % n) + n) % n; }
 static int left_of(const rs_comm_t *c) { return mod(c->rank - 1, c->size); }
 static int right_of(const rs_comm_t *c) { return mod(c->rank + 1, c->size); }
 
-static rs_xfer_t send_to(int peer, const void *buf, size_t len) {
-    rs_xfer_t x = {.peer = peer, .is_send = 1, .buf = (char *)buf, .len = len};
-    return x;
-}
-
-static rs_xfer_t recv_from(int peer, void *buf, size_t len) {
-    rs_xfer_t x = {.peer = peer, .is_send = 0, .buf = (char *)buf, .len = len};
-    return x;
-}
-
 /* Block layout of a buffer split among ranks: counts and offsets in bytes. */
 typedef struct {
     size_t *bytes;
@@ -71,6 +61,9 @@ static rs_status_t check_reduction_args(rs_comm_t *comm, rs_dtype_t dtype, rs_op
         return rs_fail(comm, RS_ERR_USAGE, "unsupported dtype code %d", (int)dtype);
     if (!rs_op_valid(op))
         return rs_fail(comm, RS_ERR_USAGE, "unsupported reduction op code %d", (int)op);
+    if (!rs_op_takes_dtype(op, dtype))
+        return rs_fail(comm, RS_ERR_USAGE, "dtype %s is not supported by the %s op",
+                       rs_dtype_name(dtype), rs_op_name(op));
     return RS_OK;
 }
 
@@ -117,8 +110,8 @@ static rs_status_t ring_reduce_scatter(rs_comm_t *comm, char *buf, const blocks_
         int out = mod(comm->rank - s - 1, comm->size);
         int in = mod(comm->rank - s - 2, comm->size);
         reduce_arrival_t arrival = {fn, buf + b->offset[in], elem, 0};
-        rs_xfer_t x[2] = {send_to(right_of(comm), buf + b->offset[out], b->bytes[out]),
-                          recv_from(left_of(comm), incoming, b->bytes[in])};
+        rs_xfer_t x[2] = {rs_send_to(right_of(comm), buf + b->offset[out], b->bytes[out]),
+                          rs_recv_from(left_of(comm), incoming, b->bytes[in])};
         x[1].on_recv = reduce_arrived;
         x[1].arg = &arrival;
         RS_CHECK(rs_progress(comm, x, 2));
@@ -131,8 +124,8 @@ static rs_status_t ring_allgather(rs_comm_t *comm, char *buf, const blocks_t *b)
     for (int s = 0; s < comm->size - 1; s++) {
         int out = mod(comm->rank - s, comm->size);
         int in = mod(comm->rank - s - 1, comm->size);
-        rs_xfer_t x[2] = {send_to(right_of(comm), buf + b->offset[out], b->bytes[out]),
-                          recv_from(left_of(comm), buf + b->offset[in], b->bytes[in])};
+        rs_xfer_t x[2] = {rs_send_to(right_of(comm), buf + b->offset[out], b->bytes[out]),
+                          rs_recv_from(left_of(comm), buf + b->offset[in], b->bytes[in])};
         RS_CHECK(rs_progress(comm, x, 2));
     }
     return RS_OK;
@@ -154,8 +147,8 @@ static rs_status_t direct_allreduce(rs_comm_t *comm, char *buf, size_t bytes, si
     for (int p = 0; p < size; p++) {
         if (p == comm->rank)
             continue;
-        x[n++] = send_to(p, buf, bytes);
-        x[n++] = recv_from(p, slots + (size_t)p * bytes, bytes);
+        x[n++] = rs_send_to(p, buf, bytes);
+        x[n++] = rs_recv_from(p, slots + (size_t)p * bytes, bytes);
     }
     memcpy(slots + (size_t)comm->rank * bytes, buf, bytes);
     rs_status_t st = rs_progress(comm, x, n);
@@ -191,7 +184,9 @@ rs_status_t rs_allreduce(rs_comm_t *comm, const void *sendbuf, void *recvbuf, si
         memcpy(recvbuf, sendbuf, count * elem);
     if (prescale != 1.0)
         RS_CHECK(rs_scale_local(recvbuf, count, dtype, prescale));
-    if (comm->size > 1 && count > 0 && count * elem <= comm->small_allreduce_bytes) {
+    if (op == RS_OP_ADASUM) {
+        RS_CHECK(rs_adasum_allreduce(comm, recvbuf, count, dtype));
+    } else if (comm->size > 1 && count > 0 && count * elem <= comm->small_allreduce_bytes) {
         RS_CHECK(direct_allreduce(comm, recvbuf, count * elem, count, rs_reduce_kernel(dtype, op)));
     } else if (comm->size > 1 && count > 0) {
         RS_CHECK(ring_allreduce(comm, recvbuf, count, elem, rs_reduce_kernel(dtype, op)));
@@ -213,6 +208,9 @@ rs_status_t rs_reducescatter(rs_comm_t *comm, const void *sendbuf, void *recvbuf
                              const int64_t *counts, rs_dtype_t dtype, rs_op_t op,
                              double prescale, double postscale) {
     RS_CHECK(check_reduction_args(comm, dtype, op));
+    if (op == RS_OP_ADASUM)
+        return rs_fail(comm, RS_ERR_USAGE, "the Adasum op is only for allreduce, not "
+                       "reducescatter");
     size_t elem = rs_dtype_size(dtype), total;
     blocks_t b;
     RS_CHECK(blocks_from_counts(comm, counts, elem, &b, &total));
@@ -258,7 +256,8 @@ rs_status_t rs_broadcast(rs_comm_t *comm, void *buf, size_t bytes, int root) {
     if (comm->size == 1 || bytes == 0)
         return RS_OK;
     int position = mod(comm->rank - root, comm->size);
-    rs_xfer_t x[2] = {recv_from(left_of(comm), buf, bytes), send_to(right_of(comm), buf, bytes)};
+    rs_xfer_t x[2] = {rs_recv_from(left_of(comm), buf, bytes),
+                      rs_send_to(right_of(comm), buf, bytes)};
     if (position == 0)
         return rs_progress(comm, &x[1], 1);
     if (position == comm->size - 1)
@@ -285,8 +284,8 @@ rs_status_t rs_alltoallv(rs_comm_t *comm, const void *sendbuf, const int64_t *se
     int k = 0;
     for (int s = 1; s < n; s++) {
         int to = mod(r + s, n), from = mod(r - s, n);
-        x[k++] = send_to(to, (const char *)sendbuf + out.offset[to], out.bytes[to]);
-        x[k++] = recv_from(from, (char *)recvbuf + in.offset[from], in.bytes[from]);
+        x[k++] = rs_send_to(to, (const char *)sendbuf + out.offset[to], out.bytes[to]);
+        x[k++] = rs_recv_from(from, (char *)recvbuf + in.offset[from], in.bytes[from]);
     }
     st = rs_progress(comm, x, k);
 done:
@@ -300,8 +299,8 @@ done:
 rs_status_t rs_barrier(rs_comm_t *comm) {
     for (int k = 1; k < comm->size; k <<= 1) {
         char token = 1, incoming = 0;
-        rs_xfer_t x[2] = {send_to(mod(comm->rank + k, comm->size), &token, 1),
-                          recv_from(mod(comm->rank - k, comm->size), &incoming, 1)};
+        rs_xfer_t x[2] = {rs_send_to(mod(comm->rank + k, comm->size), &token, 1),
+                          rs_recv_from(mod(comm->rank - k, comm->size), &incoming, 1)};
         RS_CHECK(rs_progress(comm, x, 2));
     }
     return RS_OK;

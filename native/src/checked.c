@@ -50,6 +50,13 @@ rs_status_t rs_meta_check(const rs_meta_t *m, int size, rs_error_t *why, int64_t
                             rs_dtype_name(m->dtype), kind);
     if (reduces(m->kind) && !rs_op_valid(m->op))
         return rs_error_set(why, RS_ERR_USAGE, "unknown reduction op %d", (int)m->op);
+    if (reduces(m->kind) && m->op == RS_OP_ADASUM && m->kind != RS_KIND_ALLREDUCE)
+        return rs_error_set(why, RS_ERR_USAGE, "the Adasum op is only for allreduce, not %s",
+                            kind);
+    if (reduces(m->kind) && !rs_op_takes_dtype(m->op, m->dtype))
+        return rs_error_set(why, RS_ERR_USAGE, "dtype %s is not supported by %s with the %s "
+                            "op; it takes float16, bfloat16, float32 or float64",
+                            rs_dtype_name(m->dtype), kind, rs_op_name(m->op));
     if (m->kind == RS_KIND_BROADCAST && (m->root < 0 || m->root >= size))
         return rs_error_set(why, RS_ERR_USAGE, "root rank %d is out of range for %d ranks",
                             (int)m->root, size);

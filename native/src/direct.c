@@ -351,7 +351,8 @@ static void fill_header(post_t *post, const char *name, const rs_meta_t *meta, s
 static int post_flags(const rs_direct_t *d, const rs_meta_t *meta, size_t bytes) {
     if (meta->kind == RS_KIND_BARRIER)
         return POST_DATA; /* no data: the exchange is the barrier */
-    if (meta->kind != RS_KIND_ALLREDUCE || bytes > d->max_bytes)
+    /* Adasum is no sum of posts: only the engine's algorithm computes it */
+    if (meta->kind != RS_KIND_ALLREDUCE || meta->op == RS_OP_ADASUM || bytes > d->max_bytes)
         return POST_USE_ENGINE;
     size_t one_round = d->comm->small_allreduce_bytes < RS_DIRECT_MAX_BYTES
                            ? d->comm->small_allreduce_bytes : RS_DIRECT_MAX_BYTES;

@@ -32,17 +32,20 @@ static void span(rs_executor_t *x, const rs_pending_t *p, const char *phase, dou
 static int fusable(const rs_executor_t *x, const rs_pending_t *a, const rs_pending_t *b,
                    size_t fused_bytes) {
     const rs_meta_t *ma = &a->metas[0], *mb = &b->metas[0];
-    return x->fusion_threshold > 0 && mb->kind == RS_KIND_ALLREDUCE &&
+    /* Adasum's coefficients are per tensor: a fusion would compute them over several */
+    return x->fusion_threshold > 0 && mb->kind == RS_KIND_ALLREDUCE && ma->op != RS_OP_ADASUM &&
            ma->dtype == mb->dtype && ma->op == mb->op && ma->prescale == mb->prescale &&
            ma->postscale == mb->postscale &&
            fused_bytes + tensor_bytes(mb) <= (size_t)x->fusion_threshold;
 }
 
 /* Where every rank is on this host, large allreduces go through the shared segments
- * (each byte read from a peer once) instead of the ring. */
+ * (each byte read from a peer once) instead of the ring; Adasum, an exchange between
+ * pairs of ranks and no element-wise sum, always takes rs_allreduce's own algorithm. */
 static rs_status_t reduce_buffer(rs_executor_t *x, const void *send, void *recv, size_t count,
                                  const rs_meta_t *m) {
-    if (!x->staged || count * rs_dtype_size(m->dtype) < x->staged_min_bytes)
+    if (!x->staged || m->op == RS_OP_ADASUM ||
+        count * rs_dtype_size(m->dtype) < x->staged_min_bytes)
         return rs_allreduce(x->comm, send, recv, count, m->dtype, m->op, m->prescale,
                             m->postscale);
     rs_status_t st = rs_direct_staged_allreduce(x->staged, send, recv, count, m);

@@ -156,6 +156,20 @@ struct rs_xfer {
  * for the communicator's timeout. */
 rs_status_t rs_progress(rs_comm_t *comm, rs_xfer_t *xfers, int n);
 
+static inline rs_xfer_t rs_send_to(int peer, const void *buf, size_t len) {
+    rs_xfer_t x = {.peer = peer, .is_send = 1, .buf = (char *)buf, .len = len};
+    return x;
+}
+
+static inline rs_xfer_t rs_recv_from(int peer, void *buf, size_t len) {
+    rs_xfer_t x = {.peer = peer, .is_send = 0, .buf = (char *)buf, .len = len};
+    return x;
+}
+
+/* Adasum allreduce of `count` elements of buf, in place (adasum.c): RS_ERR_USAGE unless
+ * dtype is floating point. Scale factors are the caller's. */
+rs_status_t rs_adasum_allreduce(rs_comm_t *comm, void *buf, size_t count, rs_dtype_t dtype);
+
 /* Reduction kernels (reduce.c). Average reduces as Sum; the caller scales. */
 typedef void (*rs_reduce_fn)(void *inout, const void *in, size_t count);
 rs_reduce_fn rs_reduce_kernel(rs_dtype_t dtype, rs_op_t op);
@@ -163,5 +177,16 @@ int rs_dtype_valid(int dtype);
 int rs_dtype_movable(int dtype); /* valid, or bool (moved, never reduced) */
 int rs_dtype_is_integer(rs_dtype_t dtype);
 int rs_op_valid(int op);
+int rs_dtype_is_float(int dtype);
+/* Whether op can reduce dtype (Adasum: floating point only). */
+int rs_op_takes_dtype(int op, int dtype);
+/* Adasum's arithmetic on one piece of vectors a and b: sums = {dot(a, b), |a|^2, |b|^2}
+ * (accumulated in double; float16 / bfloat16 through float); then, with sums over the
+ * whole vectors, out = ca*a + cb*b where ca = 1 - dot / (2|a|^2) (1 when |a|^2 is below
+ * sqrt(DBL_MIN)) and cb likewise. out may be a or b. RS_ERR_USAGE for other dtypes. */
+rs_status_t rs_adasum_dots(const void *a, const void *b, size_t count, rs_dtype_t dtype,
+                           double sums[3]);
+rs_status_t rs_adasum_combine(void *out, const void *a, const void *b, size_t count,
+                              rs_dtype_t dtype, const double sums[3]);
 
 #endif

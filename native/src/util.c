@@ -111,9 +111,9 @@ char *rs_strdup_printf(const char *fmt, ...) {
 /* ---- names for messages ---- */
 
 const char *rs_dtype_name(int dtype) {
-    static const char *names[] = {"uint8", "int8", "int32", "int64", "float16",
-                                  "bfloat16", "float32", "float64", "bool"};
-    return dtype >= 0 && dtype <= 8 ? names[dtype] : "unknown";
+    static const char *names[] = {"uint8", "int8", "int32", "int64", "float16", "bfloat16",
+                                  "float32", "float64", "bool", "int16", "uint16"};
+    return dtype >= 0 && dtype < (int)(sizeof names / sizeof *names) ? names[dtype] : "unknown";
 }
 
 const char *rs_kind_name(int kind) {
@@ -123,8 +123,8 @@ const char *rs_kind_name(int kind) {
 }
 
 const char *rs_op_name(int op) {
-    static const char *names[] = {"Sum", "Average", "Min", "Max", "Product"};
-    return op >= 0 && op <= 4 ? names[op] : "unknown";
+    static const char *names[] = {"Sum", "Average", "Min", "Max", "Product", "Adasum"};
+    return op >= 0 && op < (int)(sizeof names / sizeof *names) ? names[op] : "unknown";
 }
 
 /* ---- rank lists and even splits ---- */

@@ -12,7 +12,7 @@ device-to-host copy on top of the reduction.
 """
 # ruff: noqa: F401
 # The names below are the module's API (horovod.torch's), re-exported on purpose.
-from ringsync import (Average, Max, Min, Product, ProcessSet, ReduceOp, Sum, add_process_set,
+from ringsync import (Adasum, Average, Max, Min, Product, ProcessSet, ReduceOp, Sum, add_process_set,
                       cross_rank, cross_size, global_process_set, init, is_initialized,
                       local_rank, local_size, rank, remove_process_set, shutdown, size,
                       start_timeline, stop_timeline)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 import ringsync as _rs
-from ringsync import Average, Handle, Max, Min, Product, ReduceOp, Sum
+from ringsync import Adasum, Average, Handle, Max, Min, Product, ReduceOp, Sum
 from ringsync._adapters import check_differentiable, grad_name, resolve_op
 from ringsync._core import even_split
 from ringsync.errors import UsageError
@@ -480,5 +480,5 @@ __all__ = [
     "grouped_allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
     "reducescatter", "reducescatter_async", "grouped_reducescatter",
     "grouped_reducescatter_async", "alltoall", "alltoall_async", "barrier", "join", "poll",
-    "synchronize", "Average", "Sum", "Min", "Max", "Product",
+    "synchronize", "Average", "Sum", "Min", "Max", "Product", "Adasum",
 ]

@@ -65,6 +65,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._passes = {p: 0 for p in self._names}
         self._synchronized = False
         self._should_synchronize = True
+        # Adasum combines the ranks' *updates* (how each rank's own optimizer would move
+        # the weights), not their gradients: step() computes them (see _adasum_step).
+        self._adasum = ReduceOp(op) == ReduceOp.ADASUM
         self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_ready)
                        for p in self._names if p.requires_grad]
 
@@ -141,7 +144,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"backward_passes_per_step={self._passes_per_step} times before step(); call "
                 "step() (or synchronize()) first, or raise backward_passes_per_step")
         self._passes[p] += 1
-        if self._passes[p] == self._passes_per_step:
+        if self._passes[p] == self._passes_per_step and not self._adasum:
             self._gradient_complete(p)
 
     def _gradient_complete(self, p):
@@ -218,7 +221,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def synchronize(self):
         """Wait until every parameter's gradient holds its reduction over all ranks.
         Parameters whose gradient did not arrive this step (on this rank) are reduced too,
-        as zeros, so that every rank reduces the same tensors."""
+        as zeros, so that every rank reduces the same tensors. (With op=Adasum, step()
+        does the reducing: nothing to do here.)"""
+        if self._adasum:
+            return
         for group in dict.fromkeys(self._group_of.values()):  # (in parameter order)
             if any(p not in self._pending for p in group):  # (dict lookups: by identity)
                 self._start_group(group)  # the same groups on every rank, in one order
@@ -254,13 +260,44 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @contextlib.contextmanager
     def skip_synchronize(self):
         """For step() after an explicit synchronize() (e.g. to clip averaged gradients)."""
+        if self._adasum:
+            raise UsageError("skip_synchronize() does not apply to op=Adasum: its step() "
+                             "combines weight updates, not gradients")
         self._should_synchronize = False
         try:
             yield
         finally:
             self._should_synchronize = True
 
+    def _adasum_step(self, closure):
+        """Horovod's Adasum optimizer: each rank steps its own optimizer on its own
+        gradients, the weight changes are combined with Adasum (one tensor each, so each
+        has its own coefficients), and every rank applies the combination to the weights
+        it started from. Every parameter takes part on every rank (zero gradients where
+        none arrived), so that ranks reduce the same tensors."""
+        loss = closure() if closure is not None else None
+        params = [p for p in self._names if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        with torch.no_grad():
+            starts = [p.detach().clone() for p in params]
+            self._optimizer.step()
+            sent = []
+            for p, start in zip(params, starts):
+                wire, ctx = self._compression.compress(p.detach() - start)
+                handle = mpi_ops.allreduce_async_(wire, op=self._op, name=self._names[p],
+                                                  process_set=self._process_set)
+                sent.append((handle, wire, ctx))
+            for p, start, (handle, wire, ctx) in zip(params, starts, sent):
+                delta = self._compression.decompress(mpi_ops.synchronize(handle), ctx)
+                p.copy_(start + delta)
+        self._passes = {p: 0 for p in self._names}
+        return loss
+
     def step(self, closure=None):
+        if self._adasum:
+            return self._adasum_step(closure)
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn("optimizer.step() called after optimizer.synchronize() without "

@@ -263,3 +263,50 @@ def process_sets_concurrently():
         assert hvd.allreduce(torch.ones(1), op=hvd.Sum, process_set=again).item() == 2
     hvd.shutdown()
     assert static.process_set_id is None
+
+
+def adasum_allreduce_and_optimizer():
+    """op=hvd.Adasum: the allreduce against the pairwise formula in tree order, and
+    DistributedOptimizer(op=Adasum) combining the ranks' SGD+momentum updates."""
+    import numpy as np
+
+    from .reference import reference_adasum
+    hvd.init()
+    me, size = hvd.rank(), hvd.size()
+
+    def data(r, n, salt):
+        rng = np.random.default_rng(100 * r + salt)
+        return rng.normal(size=n) + (r + 1) * np.linspace(-1, 1, n)
+
+    x = torch.from_numpy(data(me, 11, 0))
+    got = hvd.allreduce(x, op=hvd.Adasum, name="adasum.t")
+    want = reference_adasum([data(r, 11, 0) for r in range(size)])
+    assert np.allclose(got.numpy(), want, rtol=1e-12, atol=1e-12), (got, want)
+    # The optimizer: each rank's own SGD step (momentum 0.9), the deltas combined.
+    torch.manual_seed(5)
+    model = torch.nn.Linear(4, 3).double()
+    start = [p.detach().clone() for p in model.parameters()]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters(), op=hvd.Adasum)
+    deltas = []  # per rank, per parameter: what that rank's own SGD step would do
+    for r in range(size):
+        twin = torch.nn.Linear(4, 3).double()
+        with torch.no_grad():
+            for p, s in zip(twin.parameters(), start):
+                p.copy_(s)
+        twin(torch.from_numpy(data(r, 4, 1)).reshape(1, 4)).pow(2).sum().backward()
+        torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9).step()
+        deltas.append([(p - s).detach().numpy() for p, s in zip(twin.parameters(), start)])
+    model(torch.from_numpy(data(me, 4, 1)).reshape(1, 4)).pow(2).sum().backward()
+    opt.step()
+    for i, (p, s) in enumerate(zip(model.parameters(), start)):
+        want = s.numpy() + reference_adasum([deltas[r][i] for r in range(size)])
+        assert np.allclose(p.detach().numpy(), want, rtol=1e-10, atol=1e-12), (i, p, want)
+    try:
+        with opt.skip_synchronize():
+            pass
+    except ValueError as e:
+        assert "Adasum" in str(e)
+    else:
+        raise AssertionError("skip_synchronize was accepted with Adasum")
+    hvd.shutdown()

@@ -9,7 +9,7 @@ try:  # bfloat16 comes with ml_dtypes (a TensorFlow / JAX dependency) when insta
 except ImportError:  # pragma: no cover
     bfloat16 = None
 
-INT_DTYPES = ["uint8", "int8", "int32", "int64"]
+INT_DTYPES = ["uint8", "int8", "uint16", "int16", "int32", "int64"]
 FLOAT_DTYPES = ["float16", "float32", "float64"] + (["bfloat16"] if bfloat16 else [])
 REDUCIBLE = INT_DTYPES + FLOAT_DTYPES
 MOVABLE = REDUCIBLE + ["bool"]
@@ -103,3 +103,27 @@ def assert_reduced(got, inputs, op, prescale=1.0, postscale=1.0, what=""):
         i = bad[0]
         raise AssertionError(f"{what}: {bad.size} of {got.size} elements differ; first at flat "
                              f"index {i}: got {got.reshape(-1)[i]!r}, expected {ref.reshape(-1)[i]!r}")
+
+
+def adasum_pair(a, b):
+    """Adasum's combination of two float64 vectors: each keeps coefficient 1 when its squared
+    norm is below sqrt(DBL_MIN) (a zero vector leaves the other as it is)."""
+    floor = np.sqrt(np.finfo(np.float64).tiny)
+    dot, aa, bb = float(a @ b), float(a @ a), float(b @ b)
+    ca = 1.0 - dot / (2.0 * aa) if aa >= floor else 1.0
+    cb = 1.0 - dot / (2.0 * bb) if bb >= floor else 1.0
+    return ca * a + cb * b
+
+
+def reference_adasum(inputs, prescale=1.0, postscale=1.0):
+    """Adasum over all ranks' inputs in float64, in the core's tree order: with P the largest
+    power of two <= n, rank r >= P is first combined into rank r - P; then pairs (0, 1),
+    (2, 3), ..., then pairs of those results, up to one vector."""
+    vectors = [scale(x, prescale).astype(np.float64).reshape(-1) for x in inputs]
+    p = 1 << (len(vectors).bit_length() - 1)
+    for r in range(p, len(vectors)):
+        vectors[r - p] = adasum_pair(vectors[r - p], vectors[r])
+    vectors = vectors[:p]
+    while len(vectors) > 1:
+        vectors = [adasum_pair(vectors[i], vectors[i + 1]) for i in range(0, len(vectors), 2)]
+    return (vectors[0] * postscale).reshape(inputs[0].shape)

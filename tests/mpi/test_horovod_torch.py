@@ -15,7 +15,7 @@ pytestmark = pytest.mark.requires_mpirun
 MODULE = "tests.mpi.horovod_torch_bodies"
 ENV = {"RINGSYNC_TIMEOUT_SECONDS": "60", "OMP_NUM_THREADS": "1"}
 BODIES = ["argument_rules_and_compression", "sparse_allreduce_and_probes", "more_gradients",
-          "optimizer_groups_and_sparse"]
+          "optimizer_groups_and_sparse", "adasum_allreduce_and_optimizer"]
 
 
 @pytest.mark.parametrize("np", [1, 2, 3])
@@ -34,7 +34,7 @@ def _example(name):
     return os.path.join(here, "..", "..", "examples", name)
 
 
-@pytest.mark.parametrize("flags", [(), ("--fp16-allreduce",)])
+@pytest.mark.parametrize("flags", [(), ("--fp16-allreduce",), ("--use-adasum",)])
 def test_horovod_style_mnist_example_learns(flags):
     """examples/pytorch_mnist.py: Horovod's example script with only the import changed."""
     assert_mpi_ok(_example("pytorch_mnist.py"), np=2, timeout=300, env=ENV,

@@ -10,7 +10,8 @@ import ringsync.torch as hvd
 
 from .reference import assert_reduced, rank_input
 
-TORCH_DTYPES = {"uint8": torch.uint8, "int8": torch.int8, "int32": torch.int32,
+TORCH_DTYPES = {"uint8": torch.uint8, "int8": torch.int8, "uint16": torch.uint16,
+                "int16": torch.int16, "int32": torch.int32,
                 "int64": torch.int64, "float16": torch.float16, "bfloat16": torch.bfloat16,
                 "float32": torch.float32, "float64": torch.float64}
 

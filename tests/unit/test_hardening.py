@@ -6,8 +6,8 @@ import pytest
 from ringsync._native import ffi, lib
 from ringsync.config import AGREED_SETTINGS, Config
 
-CODES = {"uint8": lib.RS_UINT8, "int8": lib.RS_INT8, "int32": lib.RS_INT32,
-         "int64": lib.RS_INT64}
+CODES = {"uint8": lib.RS_UINT8, "int8": lib.RS_INT8, "uint16": lib.RS_UINT16,
+         "int16": lib.RS_INT16, "int32": lib.RS_INT32, "int64": lib.RS_INT64}
 
 
 def _values(dtype):

@@ -14,24 +14,12 @@ from ringsync import bootstrap
 from ringsync.rendezvous import Rendezvous, ThreadGroup
 
 from tests.mpi import bodies
-from tests.thread_ranks import (assert_ok, assert_ranks_ok, rank_config, run_ranks,
+from tests.thread_ranks import (PATHS, assert_ok, assert_ranks_ok, rank_config, run_ranks,
                                 run_threads)
 
 TIMEOUT = 120  # seconds for one whole run; a hang fails the test with every rank's stack
 BASE_ENV = {"RINGSYNC_TIMEOUT_SECONDS": "60"}
 
-# How same-host ranks move data: the default (shared memory; blocking small allreduces on
-# the lane, large allreduces staged through the segments), TCP only, the engine over the
-# shared-memory transport (as between hosts; blocking calls negotiated by name), and every
-# allreduce staged.
-PATHS = {
-    "shm": {"RINGSYNC_TRANSPORT": "shm"},
-    "tcp": {"RINGSYNC_TRANSPORT": "tcp"},
-    "shm-ring": {"RINGSYNC_TRANSPORT": "shm", "RINGSYNC_LANE_BYTES": "0",
-                 "RINGSYNC_STAGED_BYTES": "0"},
-    "staged": {"RINGSYNC_TRANSPORT": "shm", "RINGSYNC_LANE_BYTES": "0",
-               "RINGSYNC_STAGED_BYTES": "1"},
-}
 ALLREDUCES = ["allreduce_all", "allreduce_large_and_strided", "grouped_and_async_all"]
 # Staging changes allreduces only; one rank has no peers to reach.
 CASES = ([(check, 1, "shm") for check in bodies.CHECKS] +
