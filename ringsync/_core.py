@@ -262,9 +262,9 @@ class Communicator(GroupedCollectives):
     def _broadcast(self, out, root_rank, name, what, blocking):
         root = self._ring_rank.get(root_rank) if isinstance(root_rank, (int, np.integer)) else None
         if root is None:
-            raise UsageError(f"ringsync.{what}: root_rank {root_rank!r}{describe(name)} is not "
-                             f"one of this ring's ranks {_span(self.world_ranks)} (rank "
-                             f"{self.world_rank()})")
+            raise UsageError(f"ringsync.{what}: root_rank {root_rank!r}{describe(name)} is out "
+                             f"of range: not one of this ring's ranks {_span(self.world_ranks)} "
+                             f"(rank {self.world_rank()})")
         request = make_request(what, lib.RS_KIND_BROADCAST, self._name(name, "broadcast"), out,
                                 out, root=root, blocking=blocking)
         return self._submit([request], lambda: out, what)

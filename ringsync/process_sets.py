@@ -16,6 +16,7 @@ The sets of a job live with the job's default communicator: ringsync.init() regi
 the ones it is given, ringsync.shutdown() closes them all.
 """
 import dataclasses
+import sys
 from typing import Dict, List, Optional, Sequence, Union
 
 from ._core import Communicator
@@ -77,11 +78,11 @@ class ProcessSet:
 
 
 def _is_mpi_comm(obj) -> bool:
-    try:
-        from mpi4py import MPI
-    except ImportError:
-        return False
-    return isinstance(obj, MPI.Comm)
+    # Only where mpi4py.MPI is loaded already (then obj may be one of its communicators):
+    # importing it here, at `import ringsync`, would come before the fault-tolerance setup
+    # that must precede it (ringsync/__init__.py, _skip_mpi_finalize_under_fault_tolerance).
+    mpi = sys.modules.get("mpi4py.MPI")
+    return mpi is not None and isinstance(obj, mpi.Comm)
 
 
 class _GlobalProcessSet(ProcessSet):

@@ -60,7 +60,7 @@ def _two_disjoint_sets_and_one_overlapping(world):
         _collectives_on(mine, me, salt)
     if odd.included():
         _collectives_on(odd, me, 100)
-        with pytest.raises(rs.UsageError, match="not one of this ring's ranks"):
+        with pytest.raises(rs.UsageError, match="out of range: not one of this ring.s ranks"):
             communicator_of(odd).broadcast(np.ones(2), 0, name="root.outside")
         _collectives_on(odd, me, 101)  # the failed call left the ring working
     # The world still works beside its sets.

@@ -124,3 +124,20 @@ def test_engine_settings_parse():
         Config.from_env({"RINGSYNC_FUSION_THRESHOLD": "1.5"})
     with pytest.raises(rs.UsageError, match="RINGSYNC_CYCLE_TIME_MS"):
         Config.from_env({"RINGSYNC_CYCLE_TIME_MS": "-1"})
+
+
+def test_import_ringsync_leaves_mpi_alone_until_asked():
+    """`import ringsync` must not load mpi4py.MPI: under fault tolerance ringsync first
+    sets mpi4py.rc.finalize = False (which mpi4py reads when MPI is loaded), and that
+    only works if MPI is loaded afterwards. Checked in a fresh interpreter, under the
+    environment mpirun --with-ft ulfm gives its ranks."""
+    import subprocess
+    import sys
+    code = ("import sys, ringsync, ringsync.torch, mpi4py\n"
+            "assert 'mpi4py.MPI' not in sys.modules, 'import ringsync loaded mpi4py.MPI'\n"
+            "assert mpi4py.rc.finalize is False, mpi4py.rc.finalize\n")
+    env = {**__import__("os").environ, "OMPI_MCA_mpi_ft_enable": "1"}
+    env.pop("OMPI_PARENT_PORT", None)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
