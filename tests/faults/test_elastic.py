@@ -12,6 +12,7 @@ can compare the survivors with each other and with a reference. Faults are injec
 the processes themselves (SIGKILL at a chosen step), chosen by original MPI rank. The
 `marker` argument only tags the command line, so that a test can look for leftovers.
 """
+import copy
 import glob
 import json
 import os
@@ -120,6 +121,31 @@ class KillableState(elastic.ObjectState):
             die("in commit %d" % self.commit_id)
 
 
+class HorovodStyleState(elastic.State):
+    """A State subclass written for Horovod (horovod.common.elastic.State): its own save,
+    restore, sync and reset, through the bcast_object it was given."""
+
+    def __init__(self, **values):
+        super().__init__(bcast_object=rs.broadcast_object, get_rank=rs.rank)
+        self._keys = list(values)
+        self.__dict__.update(values)
+        self.resets = 0
+        self.save()
+
+    def save(self):
+        self._saved = copy.deepcopy({k: getattr(self, k) for k in self._keys})
+
+    def restore(self):
+        self.__dict__.update(copy.deepcopy(self._saved))
+
+    def sync(self):
+        self._saved = self._bcast_object(self._saved, 0)
+        self.restore()
+
+    def reset(self):
+        self.resets += 1
+
+
 def numpy_training(scenario: str = "plain", marker: str = ""):
     """SGD on a parameter vector whose gradient is allreduced every step.
 
@@ -132,7 +158,10 @@ def numpy_training(scenario: str = "plain", marker: str = ""):
     victim = int(os.environ.get("RINGSYNC_TEST_VICTIM", "-9"))
     second = int(os.environ.get("RINGSYNC_TEST_SECOND", "-9"))
     kill_step = int(os.environ.get("RINGSYNC_TEST_KILL_STEP", "10"))
-    state = KillableState(step=0, w=np.zeros(DIM), sizes=[], restores=[])
+    if scenario == "horovod":
+        state = HorovodStyleState(step=0, w=np.zeros(DIM), sizes=[], restores=[])
+    else:
+        state = KillableState(step=0, w=np.zeros(DIM), sizes=[], restores=[])
     if scenario == "commit" and me == victim:
         state.kill_in_commit = kill_step // COMMIT_EVERY
     steps_run = []
@@ -167,7 +196,7 @@ def numpy_training(scenario: str = "plain", marker: str = ""):
     write_record({"original_rank": me, "rank": rs.rank(), "size": rs.size(),
                   "w": state.w.tolist(), "reference": reference(state.sizes).tolist(),
                   "sizes": state.sizes, "restores": state.restores,
-                  "steps_run": len(steps_run),
+                  "steps_run": len(steps_run), "resets": getattr(state, "resets", None),
                   "first_step_after_recovery": _first_step_after(steps_run, recovered_at)})
     rs.shutdown()
 
@@ -185,6 +214,14 @@ def test_a_killed_rank_leaves_the_survivors_training(np, victim, tmp_path):
                               RINGSYNC_TEST_VICTIM=victim, RINGSYNC_TEST_KILL_STEP=10)
     assert_numpy_run(result, records, np - 1, lost_at_or_before=10)
     assert "ringsync.elastic: lost rank(s) [%d] of %d" % (victim, np) in result.output
+
+
+def test_a_horovod_style_state_subclass_recovers_unchanged(tmp_path):
+    """A user's State written for Horovod (save/restore/sync/reset) survives a kill."""
+    result, records = run_job(tmp_path, numpy_training, 3, args=("horovod",),
+                              RINGSYNC_TEST_VICTIM=1, RINGSYNC_TEST_KILL_STEP=10)
+    assert_numpy_run(result, records, 2, lost_at_or_before=10)
+    assert all(r["resets"] == 1 for r in records), records
 
 
 def test_a_rank_killed_inside_commit(tmp_path):

@@ -113,3 +113,30 @@ def _bad_sets(world):
 
 def test_bad_sets_are_refused_on_every_rank_and_the_next_one_works():
     assert_ranks_ok(_bad_sets, 3, timeout=TIMEOUT, env={"RINGSYNC_TIMEOUT_SECONDS": "60"})
+
+
+def _sets_across_hosts(world):
+    """Ranks 0, 1 report host node-a and 2, 3 node-b: a set inside a host (shared memory)
+    and one across the hosts (TCP between them) both work, at the same time."""
+    me = world.rank()
+    registry = Registry(world)
+    inside, across = ProcessSet([0, 1]), ProcessSet([1, 2])
+    registry.add(inside)
+    registry.add(across)
+    if inside.included():
+        assert communicator_of(inside).local_size() == 2
+        assert communicator_of(inside).transport == "shm"
+    if across.included():
+        comm = communicator_of(across)
+        assert (comm.local_size(), comm.cross_size()) == (1, 2)
+    for salt in range(5):
+        for ps in (inside, across):
+            if ps.included():
+                _collectives_on(ps, me, salt)
+    registry.close()
+
+
+def test_sets_inside_a_host_and_across_hosts():
+    assert_ranks_ok(_sets_across_hosts, 4, timeout=TIMEOUT,
+                    env={"RINGSYNC_TIMEOUT_SECONDS": "60"},
+                    rank_env=lambda r: {"RINGSYNC_HOST_NAME": "node-a" if r < 2 else "node-b"})
