@@ -34,7 +34,7 @@ def _example(name):
     return os.path.join(here, "..", "..", "examples", name)
 
 
-@pytest.mark.parametrize("flags", [(), ("--fp16-allreduce",), ("--use-adasum",)])
+@pytest.mark.parametrize("flags", [(), ("--use-adasum",)])  # (fp16: argument bodies)
 def test_horovod_style_mnist_example_learns(flags):
     """examples/pytorch_mnist.py: Horovod's example script with only the import changed."""
     assert_mpi_ok(_example("pytorch_mnist.py"), np=2, timeout=300, env=ENV,
