@@ -124,27 +124,46 @@ static void set_failure_locked(rs_engine_t *e, rs_status_t st, const char *text)
     __atomic_store_n(&e->failure.code, st, __ATOMIC_RELEASE);
 }
 
-/* A broken communicator fails everything: pending here, queued, and later submissions.
- * Aborting the communicator tells the peers, so they fail too instead of waiting. */
+static void wake_thread(rs_engine_t *e);
+
+/* A broken communicator fails everything: queued, pending (see drop_negotiation) and later
+ * submissions. Aborting the communicator tells the peers, so they fail too instead of
+ * waiting. Any thread may call it: it touches only what mu guards, and wakes the engine
+ * thread, which fails the requests its negotiation holds (the negotiator is the engine
+ * thread's alone: freeing it here raced with the thread reading it, a crash seen in
+ * elastic recovery when a caller aborted while the thread looked for lost peers). */
 void rs_engine_fail(rs_engine_t *e, rs_status_t st, const char *text) {
     pthread_mutex_lock(&e->mu);
     set_failure_locked(e, st, text);
-    rs_negotiator_t *n = &e->negotiator;
-    for (size_t i = 0; i < n->pending.capacity; i++) {
-        rs_pending_t *p = n->pending.keys[i] ? n->pending.values[i] : NULL;
-        if (p && p->mine)
-            fail_locked(e, p->mine);
-        if (p)
-            rs_pending_free(p);
-    }
-    rs_map_free(&n->pending);
-    n->join = NULL;
     for (rs_work_t *w = e->queue_head; w; w = w->next)
         fail_locked(e, w);
     e->queue_head = e->queue_tail = NULL;
     pthread_cond_broadcast(&e->done_cv);
     pthread_mutex_unlock(&e->mu);
     rs_comm_abort(e->comm);
+    wake_thread(e);
+}
+
+/* The engine thread, once failed: fail this rank's requests that negotiation still holds
+ * and forget the negotiation (its peers' halves will never come). */
+static void drop_negotiation(rs_engine_t *e) {
+    rs_negotiator_t *n = &e->negotiator;
+    if (!n->pending.capacity)
+        return;
+    pthread_mutex_lock(&e->mu);
+    for (size_t i = 0; i < n->pending.capacity; i++) {
+        rs_pending_t *p = n->pending.keys[i] ? n->pending.values[i] : NULL;
+        if (p && p->mine && p->mine->synthetic)
+            free_work(p->mine); /* the engine's own (a joined rank's zeros): no handle */
+        else if (p && p->mine && !p->mine->done)
+            fail_locked(e, p->mine);
+        if (p)
+            rs_pending_free(p);
+    }
+    rs_map_free(&n->pending);
+    n->join = NULL;
+    pthread_cond_broadcast(&e->done_cv);
+    pthread_mutex_unlock(&e->mu);
 }
 
 /* The engine thread: fail the engine with the communicator's error. */
@@ -397,6 +416,7 @@ static void *engine_main(void *arg) {
         int stopping = e->stopping, failed = e->failure.code != RS_OK;
         pthread_mutex_unlock(&e->mu);
         if (failed) {
+            drop_negotiation(e);
             fail_batch(e, batch, n);
             if (stopping)
                 break;
