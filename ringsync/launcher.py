@@ -202,7 +202,7 @@ def available_slots(hosts: str | None = None, hostfile: str | None = None) -> in
 # --------------------------------------------------------------------------- command building
 
 
-def policy_flags(flavor: str, oversubscribe: bool) -> list[str]:
+def policy_flags(flavor: str, oversubscribe: bool, hosts_given: bool = False) -> list[str]:
     """mpirun flags that depend on who launches and on the hardware, not on the program.
 
     Shared with ringsync.testing so tests launch exactly the way users do.
@@ -211,7 +211,11 @@ def policy_flags(flavor: str, oversubscribe: bool) -> list[str]:
         # Hydra neither refuses root nor counts slots, so it needs neither flag.
         return []
     flags = []
-    if oversubscribe:
+    if oversubscribe and hosts_given:
+        # Plain --oversubscribe maps by core and fills the first host with every rank
+        # (seen with Open MPI 5); by slot keeps -H's counts and spreads the excess.
+        flags += ["--map-by", "slot:oversubscribe"]
+    elif oversubscribe:
         flags.append("--oversubscribe")
     if os.geteuid() == 0:
         flags.append("--allow-run-as-root")
@@ -277,6 +281,7 @@ class RunOptions:
     max_np: int | None = None
     respawn: bool = False
     reset_limit: int | None = None
+    mpi_args: str | None = None
     dry_run: bool = False
     verbose: bool = False
 
@@ -292,7 +297,10 @@ def build_mpirun_command(
     flavor = flavor or mpi_flavor(mpirun)
     slots = available_slots(options.hosts, options.hostfile)
     command = [mpirun, "-np", str(options.np)]
-    command += policy_flags(flavor, oversubscribe=options.np > slots)
+    extra = shlex.split(options.mpi_args or "")
+    command += policy_flags(flavor, oversubscribe=options.np > slots,
+                            hosts_given=bool(options.hosts or options.hostfile)
+                            and "--map-by" not in extra)
     command += host_flags(flavor, options.hosts, options.hostfile)
     elastic = elastic_settings(options) if options.elastic else {}
     # An option's value replaces the variable of the same name rather than racing it.
@@ -306,7 +314,7 @@ def build_mpirun_command(
         command += ["--with-ft", "ulfm"]
         for name, value in elastic.items():
             command += ["-x", f"{name}={value}"]
-    return command + program_command(options.program)
+    return command + extra + program_command(options.program)
 
 
 def elastic_settings(options: RunOptions) -> dict[str, str]:
@@ -618,6 +626,11 @@ RUN_OPTIONS = [
     (("--reset-limit",),
      dict(dest="reset_limit", type=int, metavar="R",
           help="elastic: end the job after R recoveries (default: no limit)")),
+    (("--mpi-args",),
+     dict(dest="mpi_args", metavar='"ARGS"',
+          help='extra mpirun options, one shell-quoted string given with "=" (as '
+               'horovodrun\'s): --mpi-args="--prtemca plm_ssh_agent /path/agent"; they '
+               'come after ringsync\'s own, so they win where mpirun takes the last')),
     (("--dry-run",), dict(action="store_true", help="print the mpirun command and exit")),
     (("-v", "--verbose"),
      dict(action="store_true", help="print the command and ringsync settings before running")),
@@ -661,7 +674,8 @@ def make_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "run",
         help="start a program on N ranks under mpirun",
         usage="ringsync run -np N [-H HOST:SLOTS,...] [--hostfile FILE] [--elastic "
-              "[--min-np K] [--max-np M] [--respawn] [--reset-limit R]] [--dry-run] "
+              "[--min-np K] [--max-np M] [--respawn] [--reset-limit R]] [--mpi-args=\"ARGS\"] "
+              "[--dry-run] "
               "[--verbose] [--] program [args ...]",
         allow_abbrev=False,
     )

@@ -94,6 +94,34 @@ def pytest_generate_tests(metafunc):
 
 
 @pytest.fixture
+def virtual_hosts():
+    """A maker of ringsync.testing.VirtualHosts (network namespaces as hosts): call it
+    with VirtualHosts' arguments; every set made is removed after the test, also when it
+    fails. Skips the test where hosts cannot be made (not root, no `ip`)::
+
+        def test_two_hosts(virtual_hosts):
+            hosts = virtual_hosts(2, rate="2gbit")
+            assert_mpi_ok(body, np=4, hosts=hosts, slots=2)
+    """
+    from ringsync import netns
+
+    reason = netns.unavailable()
+    if reason:
+        pytest.skip(reason)
+    made = []
+
+    def make(*args, **kwargs):
+        made.append(netns.VirtualHosts(*args, **kwargs))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for hosts in made:
+            hosts.close()
+
+
+@pytest.fixture
 def rank_count(request) -> int | None:
     """The number of ranks this test runs on (None for a test without a ranks marker)."""
     if hasattr(request, "param"):

@@ -42,6 +42,7 @@ import time
 import traceback
 
 from ringsync import launcher
+from ringsync.netns import VirtualHosts, unavailable as virtual_hosts_unavailable
 
 OK = "ok"
 MISSING = "missing"
@@ -124,6 +125,8 @@ def run_mpi(
     expect_failure: bool = False,
     check: bool = False,
     wrapper=(),
+    hosts=None,
+    slots=1,
 ) -> MPIResult:
     """Run ``target`` on ``np`` ranks and return an MPIResult.
 
@@ -137,8 +140,13 @@ def run_mpi(
         ``expect_failure``, unless it failed (any rank not ok) without hitting the deadline.
     wrapper: a command that the mpirun command line is appended to and that runs in its
         place (e.g. ``unshare -m ...``).
+    hosts: a VirtualHosts (ringsync.testing.VirtualHosts) to run the ranks on, ``slots``
+        (an int, or one per host) ranks per host in host order; the ranks get the
+        caller's PATH, PYTHONPATH and RINGSYNC_* variables and ``env``.
     """
     target = target_name(target)
+    if hosts is not None:
+        mpirun_args = hosts_mpirun_args(hosts, slots, env) + list(mpirun_args)
     for _ in range(LAUNCH_ATTEMPTS):
         result = _run_job(target, np, timeout, args, env, mpirun_args, wrapper)
         if not _launcher_failed(result):
@@ -233,11 +241,25 @@ def worker_command(resultdir: str, target: str, args) -> list[str]:
     return [sys.executable, "-m", "ringsync.testing", resultdir, target] + [str(a) for a in args]
 
 
+def hosts_mpirun_args(hosts, slots, env) -> list[str]:
+    """Where the ranks run, how mpirun reaches the hosts, and what they inherit (a rank
+    started through a launch agent gets only the variables mpirun exports)."""
+    names = ["PATH", "PYTHONPATH", "PYTHONUNBUFFERED"] + list(env or {})
+    names += launcher.exported_variables(child_environment("", env))
+    exports = []
+    for name in dict.fromkeys(names):
+        if (env or {}).get(name, "") is not None:
+            exports += ["-x", name]
+    return ["-H", hosts.hosts_arg(slots)] + hosts.mpirun_args() + exports
+
+
 def mpirun_command(np: int, mpirun_args: list[str], worker: list[str]) -> list[str]:
     mpirun = launcher.find_mpirun()
     flavor = launcher.mpi_flavor(mpirun)
     # Tests always allow oversubscription: CI machines have few cores.
-    command = [mpirun, "-np", str(np)] + launcher.policy_flags(flavor, oversubscribe=True)
+    hosts_given = "-H" in mpirun_args or "--hostfile" in mpirun_args
+    command = [mpirun, "-np", str(np)] + launcher.policy_flags(
+        flavor, oversubscribe=True, hosts_given=hosts_given and "--map-by" not in mpirun_args)
     if flavor == launcher.OPEN_MPI:
         command.append("--tag-output")
         if "--bind-to" not in mpirun_args:

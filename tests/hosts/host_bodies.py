@@ -1,0 +1,62 @@
+"""Rank code for the tests across virtual hosts (tests/hosts/test_many_hosts.py)."""
+import socket
+from collections import Counter
+
+import numpy as np
+
+import ringsync as rs
+from tests.mpi import bodies
+
+
+def _expected_topology(hosts, me):
+    """Horovod's meanings, from every rank's host name: local = my host's ranks,
+    cross = the ranks with my local rank, one per host that has one."""
+    local = [r for r, h in enumerate(hosts) if h == hosts[me]]
+    local_rank = local.index(me)
+    order = list(dict.fromkeys(hosts))  # hosts in order of their first rank
+    peers = [next(r for i, r in enumerate([r for r, h in enumerate(hosts) if h == host])
+                  if i == local_rank) for host in order
+             if Counter(hosts)[host] > local_rank]
+    return local_rank, len(local), peers.index(me), len(peers)
+
+
+def topology_and_collectives(host_count, ranks_per_host):
+    """Ranks really are on different hosts (host names and network namespaces differ),
+    the topology queries say so, and every collective of the matrix is right."""
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    hosts = world.allgather(socket.gethostname())
+    assert len(set(hosts)) == int(host_count), hosts
+    assert max(Counter(hosts).values()) == int(ranks_per_host), hosts
+    rs.init()
+    me = rs.rank()
+    got = (rs.local_rank(), rs.local_size(), rs.cross_rank(), rs.cross_size())
+    assert got == _expected_topology(hosts, me), (me, hosts, got)
+    for check in bodies.CHECKS.values():
+        check(rs)
+    rs.shutdown()
+
+
+def transports_follow_hosts():
+    """After a large allreduce, bytes to same-host peers went over shared memory and
+    bytes to other hosts over TCP, never the other way round."""
+    rs.init()
+    me, size = rs.rank(), rs.size()
+    data = np.arange(1 << 18, dtype=np.float64) + me
+    got = rs.allreduce(data, op=rs.Sum)
+    expected = size * np.arange(1 << 18, dtype=np.float64) + sum(range(size))
+    np.testing.assert_array_equal(got, expected)
+    comm = rs._comm()
+    hosts = comm.host_names
+    traffic = comm.traffic()
+    for peer in range(size):
+        if peer == me:
+            continue
+        if hosts[peer] == hosts[me]:
+            assert traffic["tcp"][peer] == 0, (me, peer, traffic)
+        else:
+            assert traffic["shm"][peer] == 0, (me, peer, traffic)
+    assert sum(traffic["tcp"]) > 0, traffic
+    if rs.local_size() > 1:
+        assert sum(traffic["shm"]) > 0, traffic
+    rs.shutdown()
