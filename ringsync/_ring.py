@@ -10,7 +10,7 @@ import dataclasses
 import os
 import socket
 
-from . import bootstrap
+from . import addresses, bootstrap
 from ._native import ffi, lib
 from .config import Config
 from .errors import CommunicationError, UsageError
@@ -63,6 +63,7 @@ class NativeRing:
         self._raise_if_settings_differ([settings for _, _, settings in peers])
         infos = [info for info, _, _ in peers]
         self.host_names = [p.host_name for p in infos]
+        self.addresses = [p.address for p in infos]  # where each rank listens
         self.topology = bootstrap.topology(self.host_names, self.rank)
         self._connect_ring(infos)
         lib.rs_comm_set_spin(self.c, self._spin_seconds())
@@ -87,14 +88,15 @@ class NativeRing:
         """(this rank's PeerInfo, an error or None). A rank listens only on the address it
         advertises: stray clients elsewhere never reach it."""
         me = bootstrap.PeerInfo(self.config.host_name or socket.gethostname(), "", 0)
+        # (collective: before anything that may return early)
+        address, error = addresses.choose(self.rendezvous, me.host_name, self.config.iface)
         mode = _TRANSPORT_MODES.get(self.config.transport.lower())
         if mode is None:
             return me, ("usage", f"rank {self.rank}: RINGSYNC_TRANSPORT="
                         f"{self.config.transport!r} is not one of {', '.join(_TRANSPORT_MODES)}")
-        try:
-            bind_host, advertised = bootstrap.listen_addresses(self.config.iface)
-        except UsageError as e:
-            return me, ("usage", f"rank {self.rank}: {e}")
+        if error:
+            return me, error
+        bind_host = advertised = address
         cptr, port = ffi.new("rs_comm_t **"), ffi.new("int *")
         status = lib.rs_comm_create(self.rank, self.size, bind_host.encode(),
                                     self.config.timeout_seconds,

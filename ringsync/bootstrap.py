@@ -48,7 +48,7 @@ class Topology:
     cross_size: int
 
 
-def _is_ip(text: str) -> bool:
+def is_ip(text: str) -> bool:
     try:
         ipaddress.ip_address(text)
         return True
@@ -56,7 +56,7 @@ def _is_ip(text: str) -> bool:
         return False
 
 
-def _interface_ipv4(name: str) -> str:
+def interface_ipv4(name: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name[:15].encode()))
@@ -65,7 +65,7 @@ def _interface_ipv4(name: str) -> str:
     return socket.inet_ntoa(packed[20:24])
 
 
-def _is_local(address: str) -> bool:
+def is_local(address: str) -> bool:
     """Whether this host owns the address (a name can resolve to one it does not)."""
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -75,7 +75,7 @@ def _is_local(address: str) -> bool:
         return False
 
 
-def _routable_ipv4() -> str:
+def routable_ipv4() -> str:
     """An address of this host that other hosts can reach: the host name's, unless it
     resolves only to loopback or to an address not on this host, then the source address
     of the default route (a UDP connect sends nothing); loopback if there is neither."""
@@ -83,7 +83,7 @@ def _routable_ipv4() -> str:
         infos = socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)
         for info in infos:
             addr = info[4][0]
-            if not ipaddress.ip_address(addr).is_loopback and _is_local(addr):
+            if not ipaddress.ip_address(addr).is_loopback and is_local(addr):
                 return addr
     except OSError:
         pass
@@ -100,9 +100,9 @@ def listen_addresses(iface) -> Tuple[str, str]:
     its peers reach it (RINGSYNC_IFACE's address, else the routable one), not on every
     interface: a listener is a door for any client that can reach it."""
     if iface:
-        address = iface if _is_ip(iface) else _interface_ipv4(iface)
+        address = iface if is_ip(iface) else interface_ipv4(iface)
     else:
-        address = _routable_ipv4()
+        address = routable_ipv4()
     return address, address
 
 

@@ -59,9 +59,13 @@ class Config:
         120.0, "RINGSYNC_START_TIMEOUT_SECONDS", unit="seconds", positive=True,
         help="longest time `init()` may take to connect the ring")
     iface: Optional[str] = _setting(
-        None, "RINGSYNC_IFACE", unit="interface or IP address",
-        default_text="(the routable address)",
-        help="interface name (`eth0`) or IP address to listen on and advertise")
+        None, "RINGSYNC_IFACE", unit="interfaces or IP addresses",
+        default_text="(tested: see below)",
+        help="interface names (`eth0`) or IP addresses to listen on and advertise, "
+             "comma-separated in order of preference (`ib0,eth0`): the first present on "
+             "this host that every other host reaches. Unset: the host name's address, "
+             "then the other interfaces; where hosts have several, the ranks test which "
+             "one the other hosts can connect to")
     fusion_threshold: int = _setting(
         64 << 20, "RINGSYNC_FUSION_THRESHOLD", unit="bytes", maximum=INT64_MAX,
         zero="no fusion", agreed=True,

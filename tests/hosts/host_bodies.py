@@ -60,3 +60,16 @@ def transports_follow_hosts():
     if rs.local_size() > 1:
         assert sum(traffic["shm"]) > 0, traffic
     rs.shutdown()
+
+
+def listens_where_peers_reach(subnet):
+    """Every rank advertises an address on the network that connects the hosts (the
+    host names resolve to another interface that reaches nobody)."""
+    import ipaddress
+    rs.init()
+    addresses = rs._comm()._ring.addresses
+    assert all(ipaddress.ip_address(a) in ipaddress.ip_network(subnet) for a in addresses), \
+        (addresses, subnet)
+    got = rs.allreduce(np.array([rs.rank() + 1.0]), op=rs.Sum)
+    assert got[0] == rs.size() * (rs.size() + 1) / 2
+    rs.shutdown()

@@ -30,3 +30,16 @@ def test_uneven_hosts_and_transports(virtual_hosts):
     assert_mpi_ok(in_order.TARGET, np=4, hosts=hosts, slots=[3, 1], timeout=300, env=ENV,
                   args=in_order.args_for("tests.hosts.host_bodies",
                                          ["topology_and_collectives:2,3", "transports_follow_hosts"]))
+
+
+@pytest.mark.parametrize("iface", [None, "eth1,eth0", "no-such-nic,eth0"])
+def test_address_that_reaches_the_peers(virtual_hosts, iface):
+    """Hosts with a second interface that reaches nobody, to which the host names
+    resolve: ranks test their candidates and listen where the other hosts reach them;
+    RINGSYNC_IFACE may list several interfaces (the usable ones win, in that order)."""
+    hosts = virtual_hosts(2, rate=None, extra_interface=True)
+    env = dict(ENV, RINGSYNC_START_TIMEOUT_SECONDS="20")
+    if iface:
+        env["RINGSYNC_IFACE"] = iface
+    assert_mpi_ok(BODY + "listens_where_peers_reach", np=4, hosts=hosts, slots=2,
+                  timeout=120, env=env, args=(hosts.subnet,))
