@@ -100,7 +100,8 @@ void rs_peer_gone_text(const rs_comm_t *comm, int peer, int aborted, char *out, 
                  "the job", comm->rank, peer, rs_peer_host(comm, peer));
     else
         snprintf(out, cap, "rank %d: connection to rank %d (host %s) was lost (peer process "
-                 "gone?)", comm->rank, peer, rs_peer_host(comm, peer));
+                 "gone, or its host or the network down?)", comm->rank, peer,
+                 rs_peer_host(comm, peer));
 }
 
 void rs_report_stall(const char *name, int kind, const char *have, const char *missing,

@@ -27,10 +27,36 @@ typedef struct {
 
 static tcp_state_t *state_of(rs_comm_t *comm) { return (tcp_state_t *)comm->transport_state; }
 
-static void tune_socket(int fd) {
+/* A peer whose host or network went away sends no FIN: without help the kernel retries
+ * for many minutes and the wait looks like a slow peer. With a timeout set, the kernel
+ * gives up on data left unacknowledged for half of it (TCP_USER_TIMEOUT), and probes an
+ * idle connection after a third of it (keepalive: answered by the peer's kernel even
+ * when its process is busy, so a slow peer is never mistaken for a lost one). */
+static void tune_socket(const rs_comm_t *comm, int fd) {
     int one = 1;
     /* Small messages (barriers, size exchanges) must not wait for Nagle's timer. */
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    if (comm->timeout_seconds <= 0)
+        return;
+    double t = comm->timeout_seconds;
+    unsigned user_ms = (unsigned)(t * 500 < 1000 ? 1000 : t * 500 > 3.6e6 ? 3.6e6 : t * 500);
+    int idle = (int)(t / 3 < 1 ? 1 : t / 3 > 3600 ? 3600 : t / 3), interval = 1, probes = 3;
+    setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_ms, sizeof user_ms);
+    setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof interval);
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &probes, sizeof probes);
+}
+
+/* Whether the peer's host has stopped answering: data or keepalive probes outstanding
+ * without acknowledgement, or the kernel gave up on the connection already. */
+static int unanswered(int fd) {
+    struct tcp_info ti;
+    socklen_t len = sizeof ti;
+    if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &ti, &len) != 0)
+        return 0;
+    /* (one retransmission may be congestion; two timeouts in a row without an ACK are not) */
+    return ti.tcpi_state != TCP_ESTABLISHED || ti.tcpi_retransmits >= 2 || ti.tcpi_probes > 0;
 }
 
 /* Parse a numeric IPv4/IPv6 address ("" = any IPv4 address). */
@@ -308,7 +334,7 @@ static rs_status_t dial(setup_t *s, shake_t *sh) {
     sh->fd = socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (sh->fd < 0)
         return rs_fail(comm, RS_ERR_SYSTEM, "socket(): %s", strerror(errno));
-    tune_socket(sh->fd);
+    tune_socket(s->comm, sh->fd);
     if (connect(sh->fd, (struct sockaddr *)&ss, len) == 0)
         return send_hello(s, sh);
     if (errno == EINPROGRESS) {
@@ -469,7 +495,7 @@ static rs_status_t accept_clients(setup_t *s) {
             continue;
         if (fd < 0)
             return RS_OK; /* none left (or, e.g., out of fds: the next poll tries again) */
-        tune_socket(fd);
+        tune_socket(s->comm, fd);
         shake_t *sh = greeting_slot(s);
         sh->fd = fd;
         sh->peer = -1;
@@ -697,31 +723,43 @@ static int tcp_peer_state(rs_comm_t *comm, int peer) {
  * sockets are closed one by one, and a fast survivor may abort before the last one is. */
 #define LOST_PEER_WAIT_SECONDS 0.5
 
-/* The first peer, other than `except`, whose connection is gone without an abort notice. */
-static int find_lost_peer(rs_comm_t *comm, int except) {
+/* The first peer, other than `except`, whose connection is gone without an abort notice,
+ * or (with *silent set) whose host stopped answering. */
+static int find_lost_peer(rs_comm_t *comm, int except, int *silent) {
     tcp_state_t *st = state_of(comm);
     double deadline = rs_now() + LOST_PEER_WAIT_SECONDS;
     do {
-        for (int i = 0; i < comm->size; i++)
-            if (i != comm->rank && i != except && st->fds[i] >= 0 && has_hung_up(st->fds[i]) &&
-                !sent_abort_notice(comm, i))
+        for (int i = 0; i < comm->size; i++) {
+            if (i == comm->rank || i == except || st->fds[i] < 0 || sent_abort_notice(comm, i))
+                continue;
+            *silent = unanswered(st->fds[i]);
+            if (*silent || has_hung_up(st->fds[i]))
                 return i;
+        }
         usleep(5000);
     } while (rs_now() < deadline);
     return -1;
 }
 
-static rs_status_t peer_error(rs_comm_t *comm, int peer, const char *what) {
+static const char *UNANSWERED_TEXT = "does not answer: no acknowledgement from its host "
+                                     "(host or network down?)";
+
+/* err: the errno of the failed call (0: the peer closed). */
+static rs_status_t peer_error(rs_comm_t *comm, int peer, const char *what, int err) {
     if (sent_abort_notice(comm, peer)) {
-        int lost = find_lost_peer(comm, peer);
+        int silent = 0, lost = find_lost_peer(comm, peer, &silent);
         if (lost >= 0)
-            return rs_fail(comm, RS_ERR_COMM, "rank %d: connection to rank %d (host %s) was "
-                           "lost (peer process gone?); rank %d aborted after it", comm->rank,
-                           lost, rs_peer_host(comm, lost), peer);
+            return rs_fail(comm, RS_ERR_COMM, "rank %d: connection to rank %d (host %s) %s; "
+                           "rank %d aborted after it", comm->rank, lost,
+                           rs_peer_host(comm, lost), silent ? UNANSWERED_TEXT
+                           : "was lost (peer process gone?)", peer);
         char text[RS_ERROR_LEN];
         rs_peer_gone_text(comm, peer, 1, text, sizeof text);
         return rs_fail(comm, RS_ERR_COMM, "%s", text);
     }
+    int fd = state_of(comm)->fds[peer];
+    if (err == ETIMEDOUT || err == EHOSTUNREACH || (fd >= 0 && unanswered(fd)))
+        what = UNANSWERED_TEXT;
     return rs_fail(comm, RS_ERR_COMM, "rank %d: connection to rank %d (host %s) %s",
                    comm->rank, peer, rs_peer_host(comm, peer), what);
 }
@@ -739,7 +777,7 @@ static rs_status_t tcp_send(rs_comm_t *comm, int peer, const char *buf, size_t l
             continue;
         if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
             return RS_OK;
-        return peer_error(comm, peer, r < 0 ? strerror(errno) : "closed");
+        return peer_error(comm, peer, r < 0 ? strerror(errno) : "closed", r < 0 ? errno : 0);
     }
     return RS_OK;
 }
@@ -758,12 +796,12 @@ static rs_status_t tcp_recv(rs_comm_t *comm, int peer, char *buf, size_t len, si
             continue;
         }
         if (r == 0)
-            return peer_error(comm, peer, "was closed (peer process gone?)");
+            return peer_error(comm, peer, "was closed (peer process gone?)", 0);
         if (errno == EINTR)
             continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK)
             return RS_OK;
-        return peer_error(comm, peer, strerror(errno));
+        return peer_error(comm, peer, strerror(errno), errno);
     }
     return RS_OK;
 }

@@ -32,12 +32,12 @@ ULFM = ("--with-ft", "ulfm")
 TIMEOUT = 120
 
 
-def run_job(tmp_path, body, np, args=(), mpirun_args=ULFM, **env):
+def run_job(tmp_path, body, np, args=(), mpirun_args=ULFM, hosts=None, slots=1, **env):
     marker = f"ringsync-elastic-{os.getpid()}-{tmp_path.name}"
     settings = {"RINGSYNC_TEST_DIR": str(tmp_path), "RINGSYNC_TIMEOUT_SECONDS": "60"}
     settings.update({name: str(value) for name, value in env.items()})
-    result = run_mpi(body, np=np, timeout=TIMEOUT,
-                     args=tuple(args) + (marker,), mpirun_args=mpirun_args, env=settings)
+    result = run_mpi(body, np=np, timeout=TIMEOUT, args=tuple(args) + (marker,),
+                     mpirun_args=mpirun_args, env=settings, hosts=hosts, slots=slots)
     assert not result.timed_out, result.report()
     assert not result.leftover_pids, f"processes left running: {result.leftover_pids}\n" + result.report()
     records = [json.load(open(p)) for p in sorted(glob.glob(str(tmp_path / "result-*.json")))]
@@ -149,20 +149,20 @@ class HorovodStyleState(elastic.State):
 def numpy_training(scenario: str = "plain", marker: str = ""):
     """SGD on a parameter vector whose gradient is allreduced every step.
 
-    Scenarios: victim = original rank killed at step KILL_STEP (mid-allreduce: it submits
+    Scenarios: victims (RINGSYNC_TEST_VICTIM, comma-separated) = original ranks killed at step KILL_STEP (mid-allreduce: it submits
     its gradient first); 'commit' kills it inside commit(); 'second' also kills
     RINGSYNC_TEST_SECOND during the recovery (in a reset callback); 'exception' makes the
     victim raise instead of dying."""
     me = original_rank()
     rs.init()
-    victim = int(os.environ.get("RINGSYNC_TEST_VICTIM", "-9"))
+    victims = [int(v) for v in os.environ.get("RINGSYNC_TEST_VICTIM", "-9").split(",")]
     second = int(os.environ.get("RINGSYNC_TEST_SECOND", "-9"))
     kill_step = int(os.environ.get("RINGSYNC_TEST_KILL_STEP", "10"))
     if scenario == "horovod":
         state = HorovodStyleState(step=0, w=np.zeros(DIM), sizes=[], restores=[])
     else:
         state = KillableState(step=0, w=np.zeros(DIM), sizes=[], restores=[])
-    if scenario == "commit" and me == victim:
+    if scenario == "commit" and me in victims:
         state.kill_in_commit = kill_step // COMMIT_EVERY
     steps_run = []
     recovered_at = []
@@ -178,7 +178,7 @@ def numpy_training(scenario: str = "plain", marker: str = ""):
     @elastic.run
     def train(state):
         while state.step < STEPS:
-            if me == victim and state.step == kill_step and scenario != "commit":
+            if me in victims and state.step == kill_step and scenario != "commit":
                 if scenario == "exception":
                     raise RuntimeError("a bug on rank %d" % me)
                 rs.allreduce_async(gradient(state.step, rs.rank()), name="g.%d" % state.step)
@@ -339,7 +339,7 @@ def torch_training(marker: str = ""):
     import ringsync.torch as hvd
     me = original_rank()
     hvd.init()
-    victim = int(os.environ.get("RINGSYNC_TEST_VICTIM", "-9"))
+    victims = [int(v) for v in os.environ.get("RINGSYNC_TEST_VICTIM", "-9").split(",")]
     kill_step = int(os.environ.get("RINGSYNC_TEST_KILL_STEP", "6"))
     x, y = _torch_data()
     model = _torch_model(100 + max(me, 0) if me >= 0 else 999)  # differs until sync()
@@ -405,7 +405,7 @@ def sampler_coverage(marker: str = ""):
     import ringsync.torch as hvd
     me = original_rank()
     hvd.init()
-    victim = int(os.environ.get("RINGSYNC_TEST_VICTIM", "-9"))
+    victims = [int(v) for v in os.environ.get("RINGSYNC_TEST_VICTIM", "-9").split(",")]
     n, batch = 103, 4
     sampler = hvd.elastic.ElasticSampler(list(range(n)), shuffle=True, seed=3)
     state = hvd.elastic.TorchState(sampler=sampler, counts=np.zeros(n), steps=0)
@@ -477,7 +477,7 @@ def keras_training(marker: str = ""):
     import ringsync.tensorflow as hvd
     me = original_rank()
     hvd.init()
-    victim = int(os.environ.get("RINGSYNC_TEST_VICTIM", "-9"))
+    victims = [int(v) for v in os.environ.get("RINGSYNC_TEST_VICTIM", "-9").split(",")]
     kill_step = int(os.environ.get("RINGSYNC_TEST_KILL_STEP", "6"))
     x, y = (t.numpy().astype("float32") for t in _torch_data())
     model = _keras_model(100 + me if me >= 0 else 999)  # differs until sync()

@@ -73,3 +73,31 @@ def listens_where_peers_reach(subnet):
     got = rs.allreduce(np.array([rs.rank() + 1.0]), op=rs.Sum)
     assert got[0] == rs.size() * (rs.size() + 1) / 2
     rs.shutdown()
+
+
+def fails_when_a_link_goes_down(outdir):
+    """Allreduces until the test takes one host's link down; every rank must then fail
+    with CommunicationError (recorded in outdir), then waits for the others' records
+    before leaving (an early exit would make mpirun end the job before they record)."""
+    import os
+    import time
+
+    from ringsync.testing import write_atomically
+    rs.init()
+    me, size = rs.rank(), rs.size()
+    data = np.arange(1 << 20, dtype=np.float64) + me
+    rs.allreduce(data, op=rs.Sum, name="warmup")
+    write_atomically(os.path.join(outdir, f"ready{me}"), "")
+    start = time.monotonic()
+    try:
+        while time.monotonic() - start < 120:
+            rs.allreduce(data, op=rs.Sum, name="loop")
+        text = "no error in 120 s"
+    except rs.CommunicationError as e:
+        text = f"CommunicationError after {time.monotonic() - start:.1f} s: {e}"
+    write_atomically(os.path.join(outdir, f"outcome{me}"), text)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not all(
+            os.path.exists(os.path.join(outdir, f"outcome{r}")) for r in range(size)):
+        time.sleep(0.1)
+    os._exit(0)  # MPI_Finalize would wait for the host that is cut off

@@ -43,3 +43,52 @@ def test_address_that_reaches_the_peers(virtual_hosts, iface):
         env["RINGSYNC_IFACE"] = iface
     assert_mpi_ok(BODY + "listens_where_peers_reach", np=4, hosts=hosts, slots=2,
                   timeout=120, env=env, args=(hosts.subnet,))
+
+
+def test_elastic_job_survives_losing_a_whole_host(virtual_hosts, tmp_path):
+    """Both ranks of one host SIGKILLed at once, mid-allreduce, under --elastic: the
+    other host's ranks recover and finish with identical parameters equal to the
+    reference replay of the steps as they ran."""
+    from tests.faults import test_elastic as elastic_tests
+    hosts = virtual_hosts(2, rate=None)
+    result, records = elastic_tests.run_job(
+        tmp_path, elastic_tests.numpy_training, 4, args=("plain",), hosts=hosts, slots=2,
+        RINGSYNC_TEST_VICTIM="2,3", RINGSYNC_TEST_KILL_STEP=10)
+    elastic_tests.assert_numpy_run(result, records, 2, lost_at_or_before=10)
+    assert "ringsync.elastic: lost rank(s) [2, 3] of 4" in result.output, result.report()
+
+
+def test_a_link_taken_down_fails_every_rank(virtual_hosts, tmp_path):
+    """One host's link goes down in the middle of allreduces: every rank fails with a
+    CommunicationError that names ranks of the other host, within the timeout, and
+    nothing hangs (the job's deadline would catch it)."""
+    import threading
+    import time
+    from ringsync.testing import run_mpi
+    hosts = virtual_hosts(2, rate=None)
+    env = dict(ENV, RINGSYNC_TIMEOUT_SECONDS="10")
+    box = {}
+    job = threading.Thread(target=lambda: box.update(result=run_mpi(
+        BODY + "fails_when_a_link_goes_down", np=4, hosts=hosts, slots=2, timeout=180,
+        env=env, args=(str(tmp_path),))))
+    job.start()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and job.is_alive() and not all(
+            (tmp_path / f"ready{r}").exists() for r in range(4)):
+        time.sleep(0.1)
+    assert all((tmp_path / f"ready{r}").exists() for r in range(4)), "job never got going"
+    time.sleep(0.5)
+    hosts.link_down(hosts.names[1])
+    outcomes = [tmp_path / f"outcome{r}" for r in range(4)]
+    while time.monotonic() < deadline + 60 and not all(p.exists() for p in outcomes):
+        time.sleep(0.1)
+    hosts.link_up(hosts.names[1])  # mpirun's own daemons need it to end the job
+    job.join()
+    result = box["result"]
+    assert not result.timed_out, result.report()
+    outcomes = {r: (tmp_path / f"outcome{r}").read_text() if (tmp_path / f"outcome{r}").exists()
+                else "no outcome" for r in range(4)}
+    for rank, text in outcomes.items():
+        assert text.startswith("CommunicationError"), (rank, outcomes, result.report())
+        others = (2, 3) if rank < 2 else (0, 1)
+        assert any(f"rank {peer}" in text for peer in others), (rank, text)
