@@ -67,6 +67,7 @@ class NativeRing:
         self._connect_ring(infos)
         lib.rs_comm_set_spin(self.c, self._spin_seconds())
         lib.rs_comm_set_small_allreduce(self.c, self.config.small_allreduce_bytes)
+        lib.rs_comm_set_small_gather(self.c, self.config.small_gather_bytes)
 
     def _spin_seconds(self) -> float:
         """Spinning pays only where the ranks' threads need not share cores: on 2 cores
