@@ -96,6 +96,7 @@ class NativeRing:
             bind_host, advertised = bootstrap.listen_addresses(self.config.iface)
         except UsageError as e:
             return me, ("usage", f"rank {self.rank}: {e}")
+        bootstrap.raise_fd_limit(self.size, self.rank)  # before the first socket
         cptr, port = ffi.new("rs_comm_t **"), ffi.new("int *")
         status = lib.rs_comm_create(self.rank, self.size, bind_host.encode(),
                                     self.config.timeout_seconds,
