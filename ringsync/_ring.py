@@ -68,6 +68,7 @@ class NativeRing:
         self._connect_ring(infos)
         lib.rs_comm_set_spin(self.c, self._spin_seconds())
         lib.rs_comm_set_small_allreduce(self.c, self.config.small_allreduce_bytes)
+        lib.rs_comm_set_small_gather(self.c, self.config.small_gather_bytes)
 
     def _spin_seconds(self) -> float:
         """Spinning pays only where the ranks' threads need not share cores: on 2 cores
@@ -97,6 +98,7 @@ class NativeRing:
         if error:
             return me, error
         bind_host = advertised = address
+        bootstrap.raise_fd_limit(self.size, self.rank)  # before the ring's sockets
         cptr, port = ffi.new("rs_comm_t **"), ffi.new("int *")
         status = lib.rs_comm_create(self.rank, self.size, bind_host.encode(),
                                     self.config.timeout_seconds,

@@ -12,7 +12,7 @@ import socket
 import struct
 import sys
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from .errors import UsageError
 from .rendezvous import FaultTolerance, Rendezvous
@@ -110,6 +110,65 @@ def connect_addresses(peers: Sequence[PeerInfo]) -> List[str]:
     """Where to reach each peer: the address it advertised and listens on, also for peers
     on this host (the address is local, so the kernel keeps that traffic on loopback)."""
     return [p.address for p in peers]
+
+
+# Files a rank holds beyond one socket per peer: its listening socket, the engine's pipe,
+# shared-memory segments while they are set up, clients still greeting it during setup (at
+# most 64, native/src/transport_tcp.c), and room for the program's own files.
+FD_MARGIN = 128
+_fd_warnings_printed = set()  # each warning once per process (thread ranks share one)
+
+
+def _open_fds() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 0
+
+
+def fds_needed(size: int) -> int:
+    """File descriptors a rank of a `size`-rank job needs: those open now, a socket to
+    each peer (every rank keeps one to every other) and FD_MARGIN."""
+    return _open_fds() + max(size - 1, 0) + FD_MARGIN
+
+
+def raise_fd_limit(size: int, rank: int, stream=None) -> Optional[str]:
+    """Raise the soft RLIMIT_NOFILE to the hard limit where the soft one is below what a
+    rank of a `size`-rank job needs (the common soft default, 1024, ends a job of about
+    1000 ranks with "too many open files"). Where even the hard limit is too low, raise it
+    that far and return a warning, printed on `stream` (stderr) once per process; else
+    None. Connecting then fails naming the limit if files do run out."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX system: nothing to raise
+        return None
+    needed = fds_needed(size)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    infinity = resource.RLIM_INFINITY
+    if soft == infinity or soft >= needed:
+        return None
+    for target in ([hard] if hard != infinity else []) + [max(needed, 1 << 16), needed]:
+        if hard != infinity and target > hard:
+            continue
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+            break
+        except (ValueError, OSError):  # above fs.nr_open, or not allowed
+            continue
+    if soft >= needed:
+        return None
+    warning = (f"ringsync: rank {rank}: a job of {size} ranks needs about {needed} open files "
+               f"per rank (a socket to each peer, plus {FD_MARGIN} and the {_open_fds()} open "
+               f"now), but RLIMIT_NOFILE allows {soft} (hard limit "
+               f"{'unlimited' if hard == infinity else hard}); init() may fail with \"too many "
+               f"open files\". Raise the hard limit: ulimit -Hn, LimitNOFILE= (systemd), "
+               f"docker run --ulimit nofile=N:N, or /etc/security/limits.conf")
+    key = (size, soft, hard)
+    if key not in _fd_warnings_printed:
+        _fd_warnings_printed.add(key)
+        print(warning, file=stream or sys.stderr, flush=True)
+    return warning
 
 
 def topology(host_names: Sequence[str], rank: int) -> Topology:

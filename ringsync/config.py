@@ -18,7 +18,7 @@ ENV_PREFIX = "RINGSYNC_"
 # Largest values the native core can take: beyond them cffi fails at init() with an
 # OverflowError instead of a message naming the variable.
 INT32_MAX = 2**31 - 1  # rs_engine_config_t.cache_capacity is a C int
-INT64_MAX = 2**63 - 1  # byte counts are int64_t (size_t for small_allreduce_bytes)
+INT64_MAX = 2**63 - 1  # byte counts are int64_t (size_t for the small_* settings)
 SPIN_MAX_US = 1e6  # Communicator caps every spin at one second
 
 
@@ -129,6 +129,13 @@ class Config:
              "posted whole instead of staged. Measured on one host over the shm transport: "
              "no difference up to 64 KiB (the engine's overhead dominates), 1.5–1.8× slower "
              "than the ring from 256 KiB")
+    small_gather_bytes: int = _setting(
+        1 << 20, "RINGSYNC_SMALL_GATHER_BYTES", unit="bytes", maximum=INT64_MAX,
+        zero="always the ring", agreed=True,
+        help="allgathers of at most this many bytes in all, the engine's negotiation "
+             "rounds among them, take ⌈log2 N⌉ steps (each rank sends what it has gathered "
+             "so far to rank − 2^k) instead of the ring's N−1; each rank sends as many bytes "
+             "either way when the ranks' parts are equal")
     host_name: Optional[str] = _setting(
         None, "RINGSYNC_HOST_NAME", unit="name", default_text="(the host name)",
         help="the host this rank reports: ranks reporting the same name count as one host "

@@ -80,6 +80,10 @@ rs_status_t rs_comm_set_spin(rs_comm_t *comm, double seconds);
 /* Allreduces of at most `bytes` send every rank's whole buffer to every peer in one round
  * (latency: one exchange) instead of the ring (2(N-1) exchanges); 0 always uses the ring. */
 rs_status_t rs_comm_set_small_allreduce(rs_comm_t *comm, size_t bytes);
+/* Allgathers of at most `bytes` in all (the engine's negotiation rounds among them) take
+ * ceil(log2 N) rounds, each rank sending what it has gathered so far to rank - 2^k;
+ * larger ones go around the ring (N - 1 rounds). 0 always uses the ring. */
+rs_status_t rs_comm_set_small_gather(rs_comm_t *comm, size_t bytes);
 /* The transport in use after connect: "tcp" or "shm" (shm with same-host peers). */
 const char *rs_comm_transport_name(const rs_comm_t *comm);
 /* Break every connection now (peers see the failure); the communicator stays allocated. */

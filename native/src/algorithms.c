@@ -237,6 +237,9 @@ out:
 rs_status_t rs_allgatherv(rs_comm_t *comm, const void *sendbuf, void *recvbuf,
                           const int64_t *counts, size_t elem_bytes) {
     size_t total;
+    RS_CHECK(rs_gather_total(comm, counts, elem_bytes, &total));
+    if (comm->size > 2 && total <= comm->small_gather_bytes)
+        return rs_allgatherv_log(comm, sendbuf, recvbuf, counts, elem_bytes);
     blocks_t b;
     RS_CHECK(blocks_from_counts(comm, counts, elem_bytes, &b, &total));
     char *mine = (char *)recvbuf + b.offset[comm->rank];

@@ -21,6 +21,7 @@ rs_status_t rs_comm_create(int rank, int size, const char *bind_host, double tim
     comm->setup_seconds = setup_seconds;
     comm->transport = &rs_tcp_transport;
     comm->wake_fd = -1;
+    comm->small_gather_bytes = RS_SMALL_GATHER_BYTES;
     comm->host_names = calloc((size_t)size, sizeof *comm->host_names);
     if (!comm->host_names) {
         pthread_mutex_destroy(&comm->error_mu);
@@ -75,6 +76,11 @@ rs_status_t rs_comm_set_spin(rs_comm_t *comm, double seconds) {
 
 rs_status_t rs_comm_set_small_allreduce(rs_comm_t *comm, size_t bytes) {
     comm->small_allreduce_bytes = bytes;
+    return RS_OK;
+}
+
+rs_status_t rs_comm_set_small_gather(rs_comm_t *comm, size_t bytes) {
+    comm->small_gather_bytes = bytes;
     return RS_OK;
 }
 

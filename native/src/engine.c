@@ -374,12 +374,15 @@ static int has_local_pending(const rs_engine_t *e) {
 }
 
 /* Block until a local submission, a peer starting a round, a deadline, or a lost peer.
- * Returns 1 when a peer has started a round that this rank must join. */
+ * Returns 1 when a peer has started a round that this rank must join. A round's first
+ * bytes come from the left neighbour (the ring) or the right one (the log-round gather,
+ * whose first step sends to rank - 1): both are watched. */
 static int idle_wait(rs_engine_t *e, double next_deadline) {
     rs_comm_t *comm = e->comm;
-    rs_wait_t waits[2] = {{.peer = RS_WAKE_PEER, .want_read = 1},
-                          {.peer = (comm->rank + comm->size - 1) % comm->size, .want_read = 1}};
-    int nwaits = comm->size > 1 ? 2 : 1;
+    rs_wait_t waits[3] = {{.peer = RS_WAKE_PEER, .want_read = 1},
+                          {.peer = (comm->rank + comm->size - 1) % comm->size, .want_read = 1},
+                          {.peer = (comm->rank + 1) % comm->size, .want_read = 1}};
+    int nwaits = comm->size > 2 ? 3 : comm->size > 1 ? 2 : 1;
     double left = next_deadline > 0 ? next_deadline - rs_now() : 1.0;
     int timeout_ms = left <= 0 ? 0 : left > 1.0 ? 1000 : (int)(left * 1000) + 1;
     int lost = -1;
@@ -402,7 +405,7 @@ static int idle_wait(rs_engine_t *e, double next_deadline) {
         fail_with_comm_error(e, st);
         return 0;
     }
-    return nwaits > 1 && waits[1].ready;
+    return (nwaits > 1 && waits[1].ready) || (nwaits > 2 && waits[2].ready);
 }
 
 static void *engine_main(void *arg) {

@@ -70,9 +70,9 @@ typedef struct {
 
 rs_status_t rs_negotiator_init(rs_negotiator_t *n, int rank, int size, int capacity);
 void rs_negotiator_free(rs_negotiator_t *n);
-/* One negotiation round over the ring: exchange this rank's new requests (batch) and
- * return, in agreed order, the tensors now submitted by every rank (caller frees the
- * array and each rs_pending_t with rs_pending_free). */
+/* One negotiation round (allgathers: log2 N steps while small): exchange this rank's new
+ * requests (batch) and return, in agreed order, the tensors now submitted by every rank
+ * (caller frees the array and each rs_pending_t with rs_pending_free). */
 rs_status_t rs_negotiate(rs_comm_t *comm, rs_negotiator_t *n, rs_work_t **batch, int nbatch,
                          rs_pending_t ***ready, int *nready);
 /* NULL if every rank's metadata agree, else a message naming tensor, ranks and values. */

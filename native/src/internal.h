@@ -71,11 +71,11 @@ rs_status_t rs_finish_scale(rs_comm_t *comm, void *buf, size_t count, rs_dtype_t
 
 /* Who touches what. Set up by the creating thread before an engine exists, then fixed:
  * rank, size, timeouts, job id and secret, host_names, transport_mode, spin_seconds,
- * small_allreduce_bytes. The connections (transport_state, shm rings, scratch) belong to
- * the engine thread, except for what the transport table says any thread may call
- * (peer_state, shared_area, abort) and the same-host lane's own areas (direct.c), which
- * the calling threads use one at a time. `broken` is read and written atomically by any
- * thread.
+ * small_allreduce_bytes, small_gather_bytes. The connections (transport_state, shm rings,
+ * scratch) belong to the engine thread, except for what the transport table says any
+ * thread may call (peer_state, shared_area, abort) and the same-host lane's own areas
+ * (direct.c), which the calling threads use one at a time. `broken` is read and written
+ * atomically by any thread.
  *
  * Errors travel as a status code, with the words in the record (rs_error_t, status.h)
  * of the actor that failed. The records, and which thread writes each:
@@ -117,6 +117,7 @@ struct rs_comm {
     struct rs_shm *shm;  /* the shared-memory rings, or NULL */
     double spin_seconds; /* how long a shared-memory wait spins before it blocks */
     size_t small_allreduce_bytes; /* up to this size, allreduce exchanges whole buffers */
+    size_t small_gather_bytes;    /* allgathers up to this total take log2(N) rounds */
 };
 
 /* Record an error in words; recoverable kinds also mark the communicator broken. */
@@ -165,6 +166,27 @@ static inline rs_xfer_t rs_recv_from(int peer, void *buf, size_t len) {
     rs_xfer_t x = {.peer = peer, .is_send = 0, .buf = (char *)buf, .len = len};
     return x;
 }
+
+/* small_gather_bytes until rs_comm_set_small_gather (Python sets it from its Config).
+ * Each rank sends as many bytes either way when the ranks' parts are equal, so the ring
+ * can only win on links the log rounds share badly (many ranks per host crossing hosts at
+ * once in the late rounds, parts of very different sizes). Measured on one 2-core host,
+ * thread ranks over loopback TCP, median us, ring / log rounds, by total bytes:
+ *   N=4: 4 KiB 185/111, 64 KiB 223/162, 512 KiB 1543/729, 2 MiB 7238/4682, 8 MiB 24405/18046
+ *   N=8: 8 KiB 639/380, 128 KiB 761/612, 1 MiB 4290/3115, 4 MiB 15182/17027,
+ *        16 MiB 100533/78823
+ * No crossover on one host up to 16 MiB; 1 MiB keeps every negotiation round (at most
+ * (32 + 8 * cache bitset words) bytes per rank: 544 with the default 4096 entries, so
+ * up to ~1900 ranks) and small user gathers on the log rounds, large ones on the ring. */
+#define RS_SMALL_GATHER_BYTES ((size_t)1 << 20)
+/* Allgatherv in ceil(log2 N) rounds (gather_log.c): the same contract as rs_allgatherv,
+ * for any N and any counts; rs_allgatherv picks it for gathers up to small_gather_bytes. */
+rs_status_t rs_allgatherv_log(rs_comm_t *comm, const void *sendbuf, void *recvbuf,
+                              const int64_t *counts, size_t elem_bytes);
+/* The total bytes of an allgather's counts, refusing (RS_ERR_USAGE) a negative count or a
+ * total past RS_MAX_BYTES (counts may come from peers). */
+rs_status_t rs_gather_total(rs_comm_t *comm, const int64_t *counts, size_t elem_bytes,
+                            size_t *total);
 
 /* Adasum allreduce of `count` elements of buf, in place (adasum.c): RS_ERR_USAGE unless
  * dtype is floating point. Scale factors are the caller's. */

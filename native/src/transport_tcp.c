@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -81,6 +82,33 @@ static int parse_address(const char *host, int port, struct sockaddr_storage *ss
     return inet_pton(AF_INET, host, &a4->sin_addr) == 1 ? 0 : -1;
 }
 
+static void limit_text(rlim_t v, char *out, size_t cap) {
+    if (v == RLIM_INFINITY)
+        snprintf(out, cap, "unlimited");
+    else
+        snprintf(out, cap, "%llu", (unsigned long long)v);
+}
+
+/* socket() or accept() failed: out of file descriptors (EMFILE, ENFILE) gets words that
+ * name the limit and what a rank of this job needs; anything else, the call and errno. */
+static rs_status_t fail_socket(rs_comm_t *comm, const char *call, int err) {
+    if (err != EMFILE && err != ENFILE)
+        return rs_fail(comm, RS_ERR_SYSTEM, "rank %d: %s: %s", comm->rank, call, strerror(err));
+    struct rlimit lim = {RLIM_INFINITY, RLIM_INFINITY};
+    getrlimit(RLIMIT_NOFILE, &lim);
+    char soft[32], hard[32];
+    limit_text(lim.rlim_cur, soft, sizeof soft);
+    limit_text(lim.rlim_max, hard, sizeof hard);
+    return rs_fail(comm, RS_ERR_SYSTEM, "rank %d: %s: %s: out of file descriptors. In a job of "
+                   "%d ranks each keeps a socket to each of its %d peers, plus its own files; "
+                   "%s (RLIMIT_NOFILE soft limit %s, hard limit %s). Raise it: ulimit -n "
+                   "(ulimit -Hn for the hard limit), LimitNOFILE= under systemd, docker run "
+                   "--ulimit nofile=N:N, or /etc/security/limits.conf", comm->rank, call,
+                   strerror(err), comm->size, comm->size - 1,
+                   err == ENFILE ? "the system's whole file table is full (fs.file-max)"
+                                 : "this process may open no more files", soft, hard);
+}
+
 static rs_status_t alloc_state(rs_comm_t *comm) {
     tcp_state_t *st = calloc(1, sizeof *st);
     if (!st)
@@ -108,7 +136,7 @@ static rs_status_t tcp_listen(rs_comm_t *comm, const char *bind_host, int *port)
     /* Non-blocking: setup accepts every waiting client until none is left. */
     int fd = socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0)
-        return rs_fail(comm, RS_ERR_SYSTEM, "socket(): %s", strerror(errno));
+        return fail_socket(comm, "socket()", errno);
     st->listen_fd = fd;
     int one = 1;
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
@@ -333,7 +361,7 @@ static rs_status_t dial(setup_t *s, shake_t *sh) {
                        comm->rank, s->hosts[p], p);
     sh->fd = socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (sh->fd < 0)
-        return rs_fail(comm, RS_ERR_SYSTEM, "socket(): %s", strerror(errno));
+        return fail_socket(comm, "socket() for a connection to a lower rank", errno);
     tune_socket(s->comm, sh->fd);
     if (connect(sh->fd, (struct sockaddr *)&ss, len) == 0)
         return send_hello(s, sh);
@@ -493,8 +521,10 @@ static rs_status_t accept_clients(setup_t *s) {
         int fd = accept4(listen_fd, (struct sockaddr *)&ss, &len, SOCK_CLOEXEC | SOCK_NONBLOCK);
         if (fd < 0 && errno == EINTR)
             continue;
+        if (fd < 0 && (errno == EMFILE || errno == ENFILE))
+            return fail_socket(s->comm, "accept() of a higher rank's connection", errno);
         if (fd < 0)
-            return RS_OK; /* none left (or, e.g., out of fds: the next poll tries again) */
+            return RS_OK; /* none left (or a client that gave up: the next poll looks) */
         tune_socket(s->comm, fd);
         shake_t *sh = greeting_slot(s);
         sh->fd = fd;

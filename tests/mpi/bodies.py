@@ -6,6 +6,7 @@ ringsync.Communicator (ranks as threads of one process: tests/unit/test_thread_c
 or the ringsync module itself after init() (ranks under mpirun: tests/mpi/test_collectives.py).
 """
 import functools
+import random
 import time
 
 import numpy as np
@@ -154,6 +155,37 @@ def allgather_all(comm):
     assert np.array_equal(scalar, np.arange(size, dtype=np.float32) * 1.5)
 
 
+def _tensor_specs(count, seed=7):
+    """The same list of (name, shape, dtype) on every rank: mixed sizes and dtypes."""
+    rng = random.Random(seed)
+    specs = []
+    for i in range(count):
+        n = rng.choice([0, 1, 3, 17, 256, 1000, 4099, 70_000])
+        specs.append((f"t{i:02d}", (n,) if i % 3 else (n, 2), rng.choice(REDUCIBLE)))
+    return specs
+
+
+def out_of_order_submission(comm):
+    """50 tensors submitted asynchronously in a different order on every rank (and waited
+    for in yet another) give the same results as one synchronous call each, in order: the
+    ranks' negotiation agrees on one order. Later steps negotiate through the cache."""
+    me, specs = comm.rank(), _tensor_specs(50)
+    for step in range(3):
+        order = list(range(len(specs)))
+        random.Random(me * 100 + step).shuffle(order)
+        handles = {i: comm.allreduce_async(_inputs(comm, *specs[i][1:], "Sum",
+                                                   str(step) + specs[i][0])[me],
+                                           op=rs.Sum, name=specs[i][0]) for i in order}
+        for i in random.Random(me + 17).sample(order, len(order)):
+            assert_reduced(comm.synchronize(handles[i]),
+                           _inputs(comm, *specs[i][1:], "Sum", str(step) + specs[i][0]),
+                           "Sum", what=f"step {step} async {specs[i]}")
+    for name, shape, dtype in specs:  # the same tensors, one synchronous call each
+        inputs = _inputs(comm, shape, dtype, "Sum", "sync" + name)
+        assert_reduced(comm.allreduce(inputs[me], op=rs.Sum, name=name), inputs, "Sum",
+                       what=f"sync {name}")
+
+
 def broadcast_all(comm):
     me = comm.rank()
     for dtype in MOVABLE:
@@ -273,4 +305,4 @@ def routable_address_allreduce(comm):
 CHECKS = {f.__name__: f for f in (
     allreduce_all, allreduce_large_and_strided, grouped_and_async_all, allgather_all,
     broadcast_all, reducescatter_all, alltoall_all, barrier_orders_ranks,
-    bad_input_then_next_call_works)}
+    bad_input_then_next_call_works, out_of_order_submission)}

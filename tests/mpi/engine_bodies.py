@@ -3,50 +3,21 @@ of out-of-order submissions, fusion, the response cache, mismatches, stalls, tim
 restart and the timeline."""
 import json
 import os
-import random
 import time
 
 import numpy as np
 
 import ringsync as rs
 
+from . import bodies
 from .reference import REDUCIBLE, assert_reduced, rank_input
 
 
-def _tensor_specs(count, seed=7):
-    """The same list of (name, shape, dtype) on every rank: mixed sizes and dtypes."""
-    rng = random.Random(seed)
-    specs = []
-    for i in range(count):
-        n = rng.choice([0, 1, 3, 17, 256, 1000, 4099, 70_000])
-        specs.append((f"t{i:02d}", (n,) if i % 3 else (n, 2), rng.choice(REDUCIBLE)))
-    return specs
-
-
-def _inputs(spec, salt=""):
-    name, shape, dtype = spec
-    return [rank_input(r, shape, dtype, "Sum", salt + name) for r in range(rs.size())]
-
-
 def out_of_order_submission():
-    """50 tensors submitted asynchronously in a different order on every rank give the
-    same results as one synchronous call each, in order."""
+    """50 tensors submitted asynchronously in a different order on every rank
+    (bodies.out_of_order_submission, here through the module-level API)."""
     rs.init()
-    specs = _tensor_specs(50)
-    for step in range(3):  # later steps negotiate through the cache
-        order = list(range(len(specs)))
-        random.Random(rs.rank() * 100 + step).shuffle(order)
-        handles = {}
-        for i in order:
-            handles[i] = rs.allreduce_async(_inputs(specs[i], str(step))[rs.rank()], op=rs.Sum,
-                                            name=specs[i][0])
-        for i in random.Random(rs.rank() + 17).sample(order, len(order)):
-            got = rs.synchronize(handles[i])
-            assert_reduced(got, _inputs(specs[i], str(step)), "Sum",
-                           what=f"step {step} async {specs[i]}")
-    for spec in specs:  # the same tensors, one synchronous call each, in order
-        got = rs.allreduce(_inputs(spec, "sync")[rs.rank()], op=rs.Sum, name=spec[0])
-        assert_reduced(got, _inputs(spec, "sync"), "Sum", what=f"sync {spec}")
+    bodies.out_of_order_submission(rs)
     rs.shutdown()
 
 
