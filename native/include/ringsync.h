@@ -80,6 +80,23 @@ rs_status_t rs_comm_set_spin(rs_comm_t *comm, double seconds);
 /* Allreduces of at most `bytes` send every rank's whole buffer to every peer in one round
  * (latency: one exchange) instead of the ring (2(N-1) exchanges); 0 always uses the ring. */
 rs_status_t rs_comm_set_small_allreduce(rs_comm_t *comm, size_t bytes);
+/* When allreduce goes hierarchical (reduce-scatter inside each host, allreduce of each
+ * slice across hosts, allgather inside each host) instead of around the flat ring: never
+ * (OFF), always (ON: every allreduce, the small ones included), or (AUTO, the default)
+ * from min_bytes on, above the small-allreduce size. Only where the ranks span at least
+ * two hosts with the same number (at least two) of ranks each; elsewhere the flat ring.
+ * Adasum keeps its own algorithm. */
+typedef enum {
+    RS_HIERARCHICAL_OFF = 0,
+    RS_HIERARCHICAL_ON = 1,
+    RS_HIERARCHICAL_AUTO = 2
+} rs_hierarchical_mode_t;
+rs_status_t rs_comm_set_hierarchical(rs_comm_t *comm, int mode, size_t min_bytes);
+/* A debug counter: the bytes this rank has sent to each rank (size entries each) through
+ * TCP and through shared-memory rings since it connected, setup and shared-memory wake-ups
+ * not included. The same-host lane and the staged allreduce, which work in shared areas
+ * rather than sending, are not counted. */
+rs_status_t rs_comm_traffic(const rs_comm_t *comm, int64_t *tcp_bytes, int64_t *shm_bytes);
 /* The transport in use after connect: "tcp" or "shm" (shm with same-host peers). */
 const char *rs_comm_transport_name(const rs_comm_t *comm);
 /* Break every connection now (peers see the failure); the communicator stays allocated. */
