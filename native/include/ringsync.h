@@ -110,7 +110,9 @@ int rs_comm_is_broken(const rs_comm_t *comm);
 
 /* --- collectives (blocking; release the GIL through cffi) --- */
 
-/* Ring allreduce of `count` elements from sendbuf into recvbuf (they may be equal). */
+/* Allreduce of `count` elements from sendbuf into recvbuf (they may be equal): one round
+ * for small buffers (rs_comm_set_small_allreduce), hierarchical across hosts where chosen
+ * (rs_comm_set_hierarchical), else the ring. */
 rs_status_t rs_allreduce(rs_comm_t *comm, const void *sendbuf, void *recvbuf, size_t count,
                          rs_dtype_t dtype, rs_op_t op, double prescale, double postscale);
 /* recvbuf receives `counts[i]` elements from every rank i in rank order. Element

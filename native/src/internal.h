@@ -148,11 +148,12 @@ struct rs_comm {
 
 enum { RS_VIA_TCP = 0, RS_VIA_SHM = 1 };
 
-/* A debug counter: the transports' sends report the bytes they moved to `peer`. Relaxed
- * atomics: a total, read by tests after the collectives they look at have completed. */
-static inline void rs_count_sent(rs_comm_t *comm, int via, int peer, size_t bytes) {
+/* A debug counter: the transports' sends report the bytes they moved to `peer` (a
+ * negative count takes back bytes that were no data). Relaxed atomics: a total, read by
+ * tests after the collectives they look at have completed. */
+static inline void rs_count_sent(rs_comm_t *comm, int via, int peer, int64_t bytes) {
     if (comm->count_traffic && bytes)
-        __atomic_fetch_add(&comm->traffic[(size_t)via * comm->size + peer], (int64_t)bytes,
+        __atomic_fetch_add(&comm->traffic[(size_t)via * comm->size + peer], bytes,
                            __ATOMIC_RELAXED);
 }
 

@@ -747,7 +747,7 @@ static rs_status_t tcp_send(rs_comm_t *comm, int peer, const char *buf, size_t l
                             size_t *done) {
     size_t before = *done;
     rs_status_t st = push(comm, peer, buf, len, done);
-    rs_count_sent(comm, RS_VIA_TCP, peer, *done - before);
+    rs_count_sent(comm, RS_VIA_TCP, peer, (int64_t)(*done - before));
     return st;
 }
 

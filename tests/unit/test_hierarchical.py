@@ -46,6 +46,47 @@ def _digest(x):
     return hashlib.sha256(np.ascontiguousarray(x).view(np.uint8)).hexdigest()
 
 
+S_ELEMENTS = 1 << 20  # float32: S = 4 MiB
+SLACK = 16 << 10  # the engine's negotiation (over the flat ring), not the data
+
+
+def _traffic_of_one_allreduce(comm):
+    """This rank's bytes sent per peer (TCP, shm) by one large allreduce."""
+    x = np.full(S_ELEMENTS, comm.rank() + 1, dtype=np.float32)
+    before = comm.traffic()
+    got = comm.allreduce(x, op=rs.Sum, name="traffic")
+    after = comm.traffic()
+    assert np.all(got == sum(range(1, comm.size() + 1)))
+    return {via: np.subtract(after[via], before[via]) for via in ("tcp", "shm")}
+
+
+def _fits(hosts):
+    """Whether the layout fits the hierarchical allreduce: >= 2 hosts, the same number
+    (>= 2) of ranks on each."""
+    counts = {h: hosts.count(h) for h in hosts}
+    return len(counts) >= 2 and len(set(counts.values())) == 1 and min(counts.values()) >= 2
+
+
+def _assert_algorithm(t, rank, hosts, hierarchical):
+    """What rank sent in one allreduce of S bytes. Hierarchical, with H hosts of L ranks:
+    2(L-1)/L * S to its host's ring over shm, and 2(H-1)/H * S/L over TCP to its peers of
+    the same local rank, nothing over TCP to its own host. The flat ring: 2(N-1)/N * S to
+    its right neighbour, nothing to anyone else."""
+    s, n = 4 * S_ELEMENTS, len(hosts)
+    tcp, shm = (int(t["tcp"].sum()), int(t["shm"].sum()))
+    if hierarchical:
+        h, per_host = len(set(hosts)), n // len(set(hosts))
+        assert abs(tcp - 2 * (h - 1) * s // (h * per_host)) <= SLACK, (rank, t)
+        assert abs(shm - 2 * (per_host - 1) * s // per_host) <= SLACK, (rank, t)
+        local = [p for p in range(n) if hosts[p] == hosts[rank]]
+        assert not any(t["tcp"][p] for p in local), (rank, t)
+        return
+    right = (rank + 1) % n
+    sent = t["tcp"] + t["shm"]
+    assert abs(int(sent[right]) - 2 * (n - 1) * s // n) <= SLACK, (rank, t)
+    assert int(sent.sum() - sent[right]) == 0, (rank, t)
+
+
 def _cases():
     """(dtype, op, n, prescale, postscale): every dtype x op at the small sizes and at the
     large prime, scale factors on some."""
@@ -56,11 +97,14 @@ def _cases():
                 yield dtype, op, n, (0.5, 3.0) if scaled else (1.0, 1.0)
 
 
-def _allreduce_matrix(comm):
+def _allreduce_matrix(comm, layout, mode):
     """Every case on this rank; returns {case: digest of the result}. Rank 0 checks each
     result against the numpy reference; the test then checks that every rank's bytes are
-    the same, so every rank's result is right."""
+    the same, so every rank's result is right. First, the traffic of a large allreduce
+    shows that the expected algorithm runs."""
     me, size, digests = comm.rank(), comm.size(), {}
+    hierarchical = _fits(LAYOUTS[layout]) and mode != "off"
+    _assert_algorithm(_traffic_of_one_allreduce(comm), me, LAYOUTS[layout], hierarchical)
     for dtype, op, n, (pre, post) in _cases():
         inputs = _inputs(size, n, dtype, op)
         what = f"allreduce {dtype} {op} n={n} scale={pre},{post} on {size} ranks"
@@ -78,26 +122,13 @@ def test_allreduce_on_every_layout_is_right_and_the_same_on_every_rank(layout, m
     size = len(LAYOUTS[layout])
     env = {**BASE_ENV, "RINGSYNC_HIERARCHICAL_ALLREDUCE": MODES[mode]}
     digests = assert_ranks_ok(_allreduce_matrix, size, timeout=TIMEOUT, env=env,
-                              rank_env=_hosts(layout))
+                              rank_env=_hosts(layout), args=(layout, mode))
     for rank, theirs in enumerate(digests[1:], 1):
         differ = [what for what in digests[0] if theirs[what] != digests[0][what]]
         assert not differ, f"rank {rank}'s bytes differ from rank 0's: {differ[:3]}"
 
 
 # ---------------------------------------------------------------- which bytes went where
-
-S_ELEMENTS = 1 << 20  # float32: S = 4 MiB
-SLACK = 16 << 10  # negotiation and handshakes of the engine, not the data
-
-
-def _traffic_of_one_allreduce(comm):
-    """This rank's bytes sent per peer (TCP, shm) by one large allreduce."""
-    x = np.full(S_ELEMENTS, comm.rank() + 1, dtype=np.float32)
-    before = comm.traffic()
-    got = comm.allreduce(x, op=rs.Sum, name="traffic")
-    after = comm.traffic()
-    assert np.all(got == sum(range(1, comm.size() + 1)))
-    return {via: np.subtract(after[via], before[via]) for via in ("tcp", "shm")}
 
 
 def _run_traffic(mode, layout="2x2", hierarchical_bytes=None):
@@ -130,9 +161,10 @@ def test_hierarchical_sends_the_link_bound_across_hosts_and_the_flat_ring_more()
     hier, flat = _run_traffic("on"), _run_traffic("off")
     cross_peer = {0: 2, 1: 3, 2: 0, 3: 1}
     for r, t in enumerate(hier):
+        _assert_algorithm(t, r, hosts, hierarchical=True)
         assert abs(int(t["tcp"][cross_peer[r]]) - s // 2) <= SLACK, (r, t)
-        # The host's ring: reduce-scatter and allgather of L = 2 blocks of S/2 each.
-        assert abs(int(t["shm"].sum()) - s) <= SLACK, (r, t)
+    for r, t in enumerate(flat):
+        _assert_algorithm(t, r, hosts, hierarchical=False)
     _assert_same_host_bytes_on_shm(hier, hosts)
     _assert_same_host_bytes_on_shm(flat, hosts)
     for host in "ab":
@@ -143,22 +175,18 @@ def test_hierarchical_sends_the_link_bound_across_hosts_and_the_flat_ring_more()
 
 def test_auto_goes_hierarchical_from_its_threshold_only():
     s = 4 * S_ELEMENTS
-    above = _run_traffic("auto", hierarchical_bytes=s)
-    below = _run_traffic("auto", hierarchical_bytes=s + 1)
-    assert max(int(t["tcp"].sum()) for t in above) <= s // 2 + SLACK
-    assert max(int(t["tcp"].sum()) for t in below) >= 3 * s // 2 - SLACK
+    for r, t in enumerate(_run_traffic("auto", hierarchical_bytes=s)):
+        _assert_algorithm(t, r, LAYOUTS["2x2"], hierarchical=True)
+    for r, t in enumerate(_run_traffic("auto", hierarchical_bytes=s + 1)):
+        _assert_algorithm(t, r, LAYOUTS["2x2"], hierarchical=False)
 
 
 @pytest.mark.parametrize("layout", ["uneven-3+1", "1-per-host"])
 def test_layouts_that_do_not_fit_take_the_flat_ring(layout):
     """Forced on, an uneven layout or one rank per host sends what the flat ring does:
     2(N-1)/N * S from each rank to its right neighbour, nothing to anyone else."""
-    size, s = len(LAYOUTS[layout]), 4 * S_ELEMENTS
     for r, t in enumerate(_run_traffic("on", layout)):
-        right = (r + 1) % size
-        sent = t["tcp"] + t["shm"]
-        assert abs(int(sent[right]) - 2 * (size - 1) * s // size) <= SLACK, (r, t)
-        assert int(sent.sum() - sent[right]) == 0, (r, t)
+        _assert_algorithm(t, r, LAYOUTS[layout], hierarchical=False)
 
 
 def _expect_init_error(env, rank_env, fragments):
@@ -197,4 +225,5 @@ def test_one_and_on_are_the_same_setting():
     """Horovod's HOROVOD_HIERARCHICAL_ALLREDUCE=1 spelling agrees with `on`."""
     traffic = assert_ranks_ok(_traffic_of_one_allreduce, 4, timeout=TIMEOUT, env=BASE_ENV,
                               rank_env=_spelling_of_rank)
-    assert max(int(t["tcp"].sum()) for t in traffic) <= 2 * S_ELEMENTS + SLACK
+    for r, t in enumerate(traffic):
+        _assert_algorithm(t, r, LAYOUTS["2x2"], hierarchical=True)
