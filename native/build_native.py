@@ -12,9 +12,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 INCLUDE = os.path.join(HERE, "include")
 # Bottom to top: each file calls only files listed before it (tests/unit/test_native_layers.py).
 SOURCES = ["util.c", "reduce.c", "status.c", "checked.c", "auth.c", "progress.c",
-           "transport_tcp.c", "transport_shm.c", "comm.c", "adasum.c", "gather_log.c",
-           "algorithms.c", "timeline.c", "negotiate.c", "direct.c", "execute.c", "engine.c",
-           "lane.c"]
+           "transport_tcp.c", "transport_shm.c", "topology.c", "comm.c", "adasum.c", "ring.c",
+           "gather_log.c", "hierarchical.c", "algorithms.c", "timeline.c",
+           "negotiate.c", "direct.c", "execute.c", "engine.c", "lane.c"]
 
 
 def public_declarations():

@@ -132,6 +132,13 @@ class Communicator(GroupedCollectives):
         """"shm" when same-host peers are reached through shared memory, else "tcp"."""
         return self._ring.transport
 
+    def traffic(self) -> dict:
+        """A debug counter: the bytes this rank has sent to each rank during collectives,
+        by transport — {"tcp": [to rank 0, 1, ...], "shm": [...]} (shared-memory rings with
+        same-host peers). Setup and wake-ups are not counted, nor the same-host lane and
+        staged allreduce, which work in shared areas (only with every rank on one host)."""
+        return self._ring.traffic()
+
     @property
     def uses_lane(self) -> bool:
         """Whether blocking calls may take the same-host lane (every rank on this host)."""

@@ -12,12 +12,14 @@ import socket
 
 from . import addresses, bootstrap
 from ._native import ffi, lib
-from .config import Config
+from .config import Config, hierarchical_mode
 from .errors import CommunicationError, UsageError
 from .rendezvous import Rendezvous
 
 _TRANSPORT_MODES = {"auto": lib.RS_TRANSPORT_AUTO, "tcp": lib.RS_TRANSPORT_TCP,
                     "shm": lib.RS_TRANSPORT_SHM}
+_HIERARCHICAL_MODES = {"auto": lib.RS_HIERARCHICAL_AUTO, "on": lib.RS_HIERARCHICAL_ON,
+                       "off": lib.RS_HIERARCHICAL_OFF}
 
 
 def _cores_per_local_rank(local_size: int) -> float:
@@ -57,7 +59,7 @@ class NativeRing:
 
     def _connect(self):
         me, local_error = self._open_listener()
-        local_error = self._setup_error or local_error
+        local_error = self._setup_error or self._choice_error() or local_error
         peers = self.rendezvous.allgather((me, local_error, self.config.agreed()))
         self._raise_if_any_failed([err for _, err, _ in peers], "setting up the listening socket")
         self._raise_if_settings_differ([settings for _, _, settings in peers])
@@ -69,6 +71,17 @@ class NativeRing:
         lib.rs_comm_set_spin(self.c, self._spin_seconds())
         lib.rs_comm_set_small_allreduce(self.c, self.config.small_allreduce_bytes)
         lib.rs_comm_set_small_gather(self.c, self.config.small_gather_bytes)
+        lib.rs_comm_set_hierarchical(
+            self.c, _HIERARCHICAL_MODES[hierarchical_mode(self.config.hierarchical_allreduce)],
+            self.config.hierarchical_bytes)
+
+    def _choice_error(self):
+        """None, or a usage error for a setting that is none of its choices."""
+        text = self.config.hierarchical_allreduce
+        if hierarchical_mode(text) in _HIERARCHICAL_MODES:
+            return None
+        return ("usage", f"rank {self.rank}: RINGSYNC_HIERARCHICAL_ALLREDUCE={text!r} is not "
+                f"one of auto, on, off, 1, 0")
 
     def _spin_seconds(self) -> float:
         """Spinning pays only where the ranks' threads need not share cores: on 2 cores
@@ -185,6 +198,14 @@ class NativeRing:
     @property
     def transport(self) -> str:
         return ffi.string(lib.rs_comm_transport_name(self.c)).decode() if self.c else "closed"
+
+    def traffic(self) -> dict:
+        """Bytes sent to each rank since connecting, by transport (rs_comm_traffic)."""
+        if self.closed:
+            raise UsageError("ringsync: traffic() of a closed communicator")
+        tcp, shm = ffi.new("int64_t[]", self.size), ffi.new("int64_t[]", self.size)
+        lib.rs_comm_traffic(self.c, tcp, shm)
+        return {"tcp": list(tcp), "shm": list(shm)}
 
     def destroy(self):
         """Free the engine (joining its thread: no buffer is in use after) and the ring."""

@@ -84,6 +84,23 @@ rs_status_t rs_comm_set_small_allreduce(rs_comm_t *comm, size_t bytes);
  * ceil(log2 N) rounds, each rank sending what it has gathered so far to rank - 2^k;
  * larger ones go around the ring (N - 1 rounds). 0 always uses the ring. */
 rs_status_t rs_comm_set_small_gather(rs_comm_t *comm, size_t bytes);
+/* When allreduce goes hierarchical (reduce-scatter inside each host, allreduce of each
+ * slice across hosts, allgather inside each host) instead of around the flat ring: never
+ * (OFF), always (ON: every allreduce, the small ones included), or (AUTO, the default)
+ * from min_bytes on, above the small-allreduce size. Only where the ranks span at least
+ * two hosts with the same number (at least two) of ranks each; elsewhere the flat ring.
+ * Adasum keeps its own algorithm. */
+typedef enum {
+    RS_HIERARCHICAL_OFF = 0,
+    RS_HIERARCHICAL_ON = 1,
+    RS_HIERARCHICAL_AUTO = 2
+} rs_hierarchical_mode_t;
+rs_status_t rs_comm_set_hierarchical(rs_comm_t *comm, int mode, size_t min_bytes);
+/* A debug counter: the bytes this rank has sent to each rank (size entries each) through
+ * TCP and through shared-memory rings since it connected, setup and shared-memory wake-ups
+ * not included. The same-host lane and the staged allreduce, which work in shared areas
+ * rather than sending, are not counted. */
+rs_status_t rs_comm_traffic(const rs_comm_t *comm, int64_t *tcp_bytes, int64_t *shm_bytes);
 /* The transport in use after connect: "tcp" or "shm" (shm with same-host peers). */
 const char *rs_comm_transport_name(const rs_comm_t *comm);
 /* Break every connection now (peers see the failure); the communicator stays allocated. */
@@ -97,7 +114,9 @@ int rs_comm_is_broken(const rs_comm_t *comm);
 
 /* --- collectives (blocking; release the GIL through cffi) --- */
 
-/* Ring allreduce of `count` elements from sendbuf into recvbuf (they may be equal). */
+/* Allreduce of `count` elements from sendbuf into recvbuf (they may be equal): one round
+ * for small buffers (rs_comm_set_small_allreduce), hierarchical across hosts where chosen
+ * (rs_comm_set_hierarchical), else the ring. */
 rs_status_t rs_allreduce(rs_comm_t *comm, const void *sendbuf, void *recvbuf, size_t count,
                          rs_dtype_t dtype, rs_op_t op, double prescale, double postscale);
 /* recvbuf receives `counts[i]` elements from every rank i in rank order. Element

@@ -3,25 +3,16 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "checked.h"
 #include "internal.h"
 #include "util.h"
-
-/* Received data is reduced in pieces of this size while the rest is still arriving,
- * so that reduction overlaps transfer within each ring step. */
-#define RS_REDUCE_SEGMENT_BYTES (256 * 1024)
 
 static int mod(int a, int n) { return ((a % n) + n) % n; }
 static int left_of(const rs_comm_t *c) { return mod(c->rank - 1, c->size); }
 static int right_of(const rs_comm_t *c) { return mod(c->rank + 1, c->size); }
 
-/* Block layout of a buffer split among ranks: counts and offsets in bytes. */
-typedef struct {
-    size_t *bytes;
-    size_t *offset;
-} blocks_t;
-
 static rs_status_t blocks_from_counts(rs_comm_t *comm, const int64_t *counts, size_t unit,
-                                      blocks_t *b, size_t *total) {
+                                      rs_blocks_t *b, size_t *total) {
     b->bytes = malloc(2 * (size_t)comm->size * sizeof(size_t));
     if (!b->bytes)
         return rs_fail(comm, RS_ERR_NOMEM, "out of memory");
@@ -39,20 +30,6 @@ static rs_status_t blocks_from_counts(rs_comm_t *comm, const int64_t *counts, si
         at += b->bytes[i];
     }
     *total = at;
-    return RS_OK;
-}
-
-/* Split `count` elements into size nearly equal blocks (rs_even_part). */
-static rs_status_t blocks_even(rs_comm_t *comm, size_t count, size_t unit, blocks_t *b) {
-    b->bytes = malloc(2 * (size_t)comm->size * sizeof(size_t));
-    if (!b->bytes)
-        return rs_fail(comm, RS_ERR_NOMEM, "out of memory");
-    b->offset = b->bytes + comm->size;
-    for (int i = 0; i < comm->size; i++) {
-        rs_even_part(count, comm->size, i, &b->offset[i], &b->bytes[i]);
-        b->offset[i] *= unit;
-        b->bytes[i] *= unit;
-    }
     return RS_OK;
 }
 
@@ -78,58 +55,7 @@ rs_status_t rs_finish_scale(rs_comm_t *comm, void *buf, size_t count, rs_dtype_t
     return factor == 1.0 ? RS_OK : rs_scale_local(buf, count, dtype, factor);
 }
 
-/* ---- ring building blocks ---- */
-
-typedef struct {
-    rs_reduce_fn fn;
-    char *dst;
-    size_t elem;
-    size_t reduced; /* bytes of the block already reduced */
-} reduce_arrival_t;
-
-static void reduce_arrived(rs_xfer_t *x) {
-    reduce_arrival_t *r = (reduce_arrival_t *)x->arg;
-    size_t ready = x->done - x->done % r->elem;
-    if (x->done < x->len && ready - r->reduced < RS_REDUCE_SEGMENT_BYTES)
-        return;
-    r->fn(r->dst + r->reduced, x->buf + r->reduced, (ready - r->reduced) / r->elem);
-    r->reduced = ready;
-}
-
-/* In-place ring reduce-scatter: afterwards this rank's block `rank` holds the reduction
- * of that block over all ranks. At step s a rank sends block rank-s-1 and reduces the
- * incoming block rank-s-2 into its own copy, which it sends on at step s+1. */
-static rs_status_t ring_reduce_scatter(rs_comm_t *comm, char *buf, const blocks_t *b,
-                                       size_t elem, rs_reduce_fn fn) {
-    size_t largest = 0;
-    for (int i = 0; i < comm->size; i++)
-        largest = b->bytes[i] > largest ? b->bytes[i] : largest;
-    void *incoming;
-    RS_CHECK(rs_scratch(comm, largest, &incoming));
-    for (int s = 0; s < comm->size - 1; s++) {
-        int out = mod(comm->rank - s - 1, comm->size);
-        int in = mod(comm->rank - s - 2, comm->size);
-        reduce_arrival_t arrival = {fn, buf + b->offset[in], elem, 0};
-        rs_xfer_t x[2] = {rs_send_to(right_of(comm), buf + b->offset[out], b->bytes[out]),
-                          rs_recv_from(left_of(comm), incoming, b->bytes[in])};
-        x[1].on_recv = reduce_arrived;
-        x[1].arg = &arrival;
-        RS_CHECK(rs_progress(comm, x, 2));
-    }
-    return RS_OK;
-}
-
-/* In-place ring allgather: this rank holds block `rank`; afterwards it holds all. */
-static rs_status_t ring_allgather(rs_comm_t *comm, char *buf, const blocks_t *b) {
-    for (int s = 0; s < comm->size - 1; s++) {
-        int out = mod(comm->rank - s, comm->size);
-        int in = mod(comm->rank - s - 1, comm->size);
-        rs_xfer_t x[2] = {rs_send_to(right_of(comm), buf + b->offset[out], b->bytes[out]),
-                          rs_recv_from(left_of(comm), buf + b->offset[in], b->bytes[in])};
-        RS_CHECK(rs_progress(comm, x, 2));
-    }
-    return RS_OK;
-}
+/* ---- allreduce algorithms (the rings are in ring.c, hierarchical.c) ---- */
 
 /* Small messages: every rank sends its whole buffer to every peer at once and reduces all
  * of them itself, in rank order (so every rank computes the very same bits). One round
@@ -161,17 +87,22 @@ static rs_status_t direct_allreduce(rs_comm_t *comm, char *buf, size_t bytes, si
     return RS_OK;
 }
 
-/* Large messages: a reduce-scatter, then an allgather, around the ring. */
-static rs_status_t ring_allreduce(rs_comm_t *comm, char *buf, size_t count, size_t elem,
-                                  rs_reduce_fn reduce) {
-    blocks_t b;
-    RS_CHECK(blocks_even(comm, count, elem, &b));
-    rs_status_t st;
-    RS_CHECK_GOTO(ring_reduce_scatter(comm, buf, &b, elem, reduce), st, out);
-    st = ring_allgather(comm, buf, &b);
-out:
-    free(b.bytes);
-    return st;
+/* Which algorithm reduces `count` elements across the ranks. Hierarchical forced on takes
+ * every allreduce (what Horovod's HOROVOD_HIERARCHICAL_ALLREDUCE=1 means); otherwise small
+ * buffers go in one round, and large ones hierarchically where the topology allows and
+ * they reach its threshold, else around the flat ring. Every rank picks the same: the
+ * settings are agreed, the topology comes from the same host names. */
+static rs_status_t allreduce_among_ranks(rs_comm_t *comm, char *buf, size_t count, size_t elem,
+                                         rs_reduce_fn fn) {
+    size_t bytes = count * elem; /* checked by the caller */
+    int hierarchical = rs_hierarchical_chosen(comm, bytes);
+    int forced = hierarchical && comm->hierarchical_mode == RS_HIERARCHICAL_ON;
+    if (!forced && bytes <= comm->small_allreduce_bytes)
+        return direct_allreduce(comm, buf, bytes, count, fn);
+    if (hierarchical)
+        return rs_hierarchical_allreduce(comm, buf, count, elem, fn);
+    rs_group_t all = rs_group_all(comm);
+    return rs_ring_allreduce(comm, &all, buf, count, elem, fn);
 }
 
 /* ---- public collectives ---- */
@@ -180,28 +111,30 @@ rs_status_t rs_allreduce(rs_comm_t *comm, const void *sendbuf, void *recvbuf, si
                          rs_dtype_t dtype, rs_op_t op, double prescale, double postscale) {
     RS_CHECK(check_reduction_args(comm, dtype, op));
     size_t elem = rs_dtype_size(dtype);
+    if (count > (size_t)RS_MAX_BYTES / elem)
+        return rs_fail(comm, RS_ERR_USAGE, "rank %d: allreduce of %zu %s elements is larger "
+                       "than %lld bytes", comm->rank, count, rs_dtype_name(dtype),
+                       (long long)RS_MAX_BYTES);
     if (count && sendbuf != recvbuf)
         memcpy(recvbuf, sendbuf, count * elem);
     if (prescale != 1.0)
         RS_CHECK(rs_scale_local(recvbuf, count, dtype, prescale));
-    if (op == RS_OP_ADASUM) {
+    if (op == RS_OP_ADASUM)
         RS_CHECK(rs_adasum_allreduce(comm, recvbuf, count, dtype));
-    } else if (comm->size > 1 && count > 0 && count * elem <= comm->small_allreduce_bytes) {
-        RS_CHECK(direct_allreduce(comm, recvbuf, count * elem, count, rs_reduce_kernel(dtype, op)));
-    } else if (comm->size > 1 && count > 0) {
-        RS_CHECK(ring_allreduce(comm, recvbuf, count, elem, rs_reduce_kernel(dtype, op)));
-    }
+    else if (comm->size > 1 && count > 0)
+        RS_CHECK(allreduce_among_ranks(comm, recvbuf, count, elem, rs_reduce_kernel(dtype, op)));
     return rs_finish_scale(comm, recvbuf, count, dtype, op, postscale);
 }
 
 /* The ring reduces in place, and sendbuf is the caller's: it works on a copy. */
 static rs_status_t reduce_scatter_copy(rs_comm_t *comm, const void *sendbuf, char *work,
-                                       size_t total, const blocks_t *b, size_t elem,
+                                       size_t total, const rs_blocks_t *b, size_t elem,
                                        rs_dtype_t dtype, rs_op_t op, double prescale) {
     memcpy(work, sendbuf, total);
     if (prescale != 1.0)
         RS_CHECK(rs_scale_local(work, total / elem, dtype, prescale));
-    return ring_reduce_scatter(comm, work, b, elem, rs_reduce_kernel(dtype, op));
+    rs_group_t all = rs_group_all(comm);
+    return rs_ring_reduce_scatter(comm, &all, work, b, elem, rs_reduce_kernel(dtype, op));
 }
 
 rs_status_t rs_reducescatter(rs_comm_t *comm, const void *sendbuf, void *recvbuf,
@@ -212,7 +145,7 @@ rs_status_t rs_reducescatter(rs_comm_t *comm, const void *sendbuf, void *recvbuf
         return rs_fail(comm, RS_ERR_USAGE, "the Adasum op is only for allreduce, not "
                        "reducescatter");
     size_t elem = rs_dtype_size(dtype), total;
-    blocks_t b;
+    rs_blocks_t b;
     RS_CHECK(blocks_from_counts(comm, counts, elem, &b, &total));
     char *work = comm->size > 1 ? malloc(total ? total : 1) : NULL;
     size_t my_bytes = b.bytes[comm->rank];
@@ -240,12 +173,13 @@ rs_status_t rs_allgatherv(rs_comm_t *comm, const void *sendbuf, void *recvbuf,
     RS_CHECK(rs_gather_total(comm, counts, elem_bytes, &total));
     if (comm->size > 2 && total <= comm->small_gather_bytes)
         return rs_allgatherv_log(comm, sendbuf, recvbuf, counts, elem_bytes);
-    blocks_t b;
+    rs_blocks_t b;
     RS_CHECK(blocks_from_counts(comm, counts, elem_bytes, &b, &total));
     char *mine = (char *)recvbuf + b.offset[comm->rank];
     if (b.bytes[comm->rank] && mine != sendbuf)
         memmove(mine, sendbuf, b.bytes[comm->rank]);
-    rs_status_t st = comm->size > 1 ? ring_allgather(comm, recvbuf, &b) : RS_OK;
+    rs_group_t all = rs_group_all(comm);
+    rs_status_t st = comm->size > 1 ? rs_ring_allgather(comm, &all, recvbuf, &b) : RS_OK;
     free(b.bytes);
     return st;
 }
@@ -272,7 +206,7 @@ rs_status_t rs_broadcast(rs_comm_t *comm, void *buf, size_t bytes, int root) {
 rs_status_t rs_alltoallv(rs_comm_t *comm, const void *sendbuf, const int64_t *send_counts,
                          void *recvbuf, const int64_t *recv_counts) {
     size_t send_total, recv_total;
-    blocks_t out = {0}, in = {0};
+    rs_blocks_t out = {0}, in = {0};
     rs_xfer_t *x = NULL;
     rs_status_t st;
     RS_CHECK_GOTO(blocks_from_counts(comm, send_counts, 1, &out, &send_total), st, done);

@@ -22,14 +22,32 @@ rs_status_t rs_comm_create(int rank, int size, const char *bind_host, double tim
     comm->transport = &rs_tcp_transport;
     comm->wake_fd = -1;
     comm->small_gather_bytes = RS_SMALL_GATHER_BYTES;
+    comm->hierarchical_mode = RS_HIERARCHICAL_AUTO;
+    comm->hierarchical_min_bytes = (size_t)1 << 20; /* ringsync/config.py's default */
     comm->host_names = calloc((size_t)size, sizeof *comm->host_names);
-    if (!comm->host_names) {
+    comm->traffic = calloc(2 * (size_t)size, sizeof *comm->traffic);
+    if (!comm->host_names || !comm->traffic) {
+        free(comm->host_names);
+        free(comm->traffic);
         pthread_mutex_destroy(&comm->error_mu);
         free(comm);
         return RS_ERR_NOMEM;
     }
     *out_comm = comm;
     return comm->transport->listen(comm, bind_host ? bind_host : "", out_port);
+}
+
+/* Shared-memory setup exchanges over the new connections: it is still setup, bounded by
+ * the setup deadline even where the collectives have no limit (a peer that hangs in init()
+ * must not hang the others forever). Single-threaded here: no engine yet. */
+static rs_status_t connect_shm(rs_comm_t *comm) {
+    if (comm->transport_mode == RS_TRANSPORT_TCP || comm->size == 1)
+        return RS_OK;
+    double limit = comm->timeout_seconds;
+    comm->timeout_seconds = comm->setup_seconds;
+    rs_status_t st = rs_shm_setup(comm, comm->transport_mode == RS_TRANSPORT_SHM);
+    comm->timeout_seconds = limit;
+    return st;
 }
 
 rs_status_t rs_comm_connect(rs_comm_t *comm, const char **hosts, const int *ports,
@@ -47,17 +65,11 @@ rs_status_t rs_comm_connect(rs_comm_t *comm, const char **hosts, const int *port
         if (!comm->host_names[i])
             return rs_fail(comm, RS_ERR_NOMEM, "out of memory");
     }
+    RS_CHECK(rs_topology_build(comm));
     RS_CHECK(comm->transport->connect(comm, hosts, ports));
-    if (comm->transport_mode == RS_TRANSPORT_TCP || comm->size == 1)
-        return RS_OK;
-    /* Shared-memory setup exchanges over the new connections: it is still setup, bounded
-     * by the setup deadline even where the collectives have no limit (a peer that hangs in
-     * init() must not hang the others forever). Single-threaded here: no engine yet. */
-    double limit = comm->timeout_seconds;
-    comm->timeout_seconds = comm->setup_seconds;
-    rs_status_t st = rs_shm_setup(comm, comm->transport_mode == RS_TRANSPORT_SHM);
-    comm->timeout_seconds = limit;
-    return st;
+    RS_CHECK(connect_shm(comm));
+    comm->count_traffic = 1; /* from here on, what moves is the collectives' */
+    return RS_OK;
 }
 
 rs_status_t rs_comm_set_transport(rs_comm_t *comm, int mode) {
@@ -84,6 +96,26 @@ rs_status_t rs_comm_set_small_gather(rs_comm_t *comm, size_t bytes) {
     return RS_OK;
 }
 
+rs_status_t rs_comm_set_hierarchical(rs_comm_t *comm, int mode, size_t min_bytes) {
+    if (mode != RS_HIERARCHICAL_OFF && mode != RS_HIERARCHICAL_ON && mode != RS_HIERARCHICAL_AUTO)
+        return rs_fail(comm, RS_ERR_USAGE, "unknown hierarchical allreduce mode %d", mode);
+    comm->hierarchical_mode = mode;
+    comm->hierarchical_min_bytes = min_bytes;
+    return RS_OK;
+}
+
+rs_status_t rs_comm_traffic(const rs_comm_t *comm, int64_t *tcp_bytes, int64_t *shm_bytes) {
+    if (!tcp_bytes || !shm_bytes)
+        return RS_ERR_USAGE;
+    for (int p = 0; p < comm->size; p++) {
+        tcp_bytes[p] = __atomic_load_n(&comm->traffic[RS_VIA_TCP * comm->size + p],
+                                       __ATOMIC_RELAXED);
+        shm_bytes[p] = __atomic_load_n(&comm->traffic[RS_VIA_SHM * comm->size + p],
+                                       __ATOMIC_RELAXED);
+    }
+    return RS_OK;
+}
+
 const char *rs_comm_transport_name(const rs_comm_t *comm) { return comm->transport->name; }
 
 rs_status_t rs_comm_abort(rs_comm_t *comm) {
@@ -103,6 +135,8 @@ void rs_comm_destroy(rs_comm_t *comm) {
     for (int i = 0; i < comm->size; i++)
         free(comm->host_names[i]);
     free(comm->host_names);
+    rs_topology_free(&comm->topology);
+    free(comm->traffic);
     free(comm->scratch);
     pthread_mutex_destroy(&comm->error_mu);
     free(comm);

@@ -41,7 +41,9 @@ static int fusable(const rs_executor_t *x, const rs_pending_t *a, const rs_pendi
 
 /* Where every rank is on this host, large allreduces go through the shared segments
  * (each byte read from a peer once) instead of the ring; Adasum, an exchange between
- * pairs of ranks and no element-wise sum, always takes rs_allreduce's own algorithm. */
+ * pairs of ranks and no element-wise sum, always takes rs_allreduce's own algorithm.
+ * (x->staged exists only with every rank on one host; across hosts rs_allreduce picks
+ * the ring or the hierarchical allreduce.) */
 static rs_status_t reduce_buffer(rs_executor_t *x, const void *send, void *recv, size_t count,
                                  const rs_meta_t *m) {
     if (!x->staged || m->op == RS_OP_ADASUM ||

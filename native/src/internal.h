@@ -69,13 +69,33 @@ rs_status_t rs_finish_scale(rs_comm_t *comm, void *buf, size_t count, rs_dtype_t
 
 #define RS_SECRET_MAX 64
 
+/* Where the ranks sit (topology.c): computed by rs_comm_connect from host_names. Hosts
+ * are numbered in the order of their lowest rank, a host's ranks in rank order (their
+ * local index). The groups exist only where the hierarchical allreduce fits: at least 2
+ * hosts, each with the same number (at least 2) of ranks. */
+typedef struct {
+    int hosts;        /* distinct host names */
+    int hierarchical; /* the layout fits the hierarchical allreduce; the fields below are set */
+    int local_size;   /* ranks on each host */
+    int *local_ranks; /* this host's ranks, in rank order (local_size entries) */
+    int local_index;  /* my place among them */
+    int *cross_ranks; /* per host, in host order, its rank with my local index */
+    int cross_index;  /* my host's number: my place among those */
+} rs_topology_t;
+
+rs_status_t rs_topology_build(rs_comm_t *comm);
+void rs_topology_free(rs_topology_t *t);
+
 /* Who touches what. Set up by the creating thread before an engine exists, then fixed:
- * rank, size, timeouts, job id and secret, host_names, transport_mode, spin_seconds,
- * small_allreduce_bytes, small_gather_bytes. The connections (transport_state, shm rings,
- * scratch) belong to the engine thread, except for what the transport table says any
- * thread may call (peer_state, shared_area, abort) and the same-host lane's own areas
- * (direct.c), which the calling threads use one at a time. `broken` is read and written
- * atomically by any thread.
+ * rank, size, timeouts, job id and secret, host_names, topology, transport_mode,
+ * spin_seconds, small_allreduce_bytes, small_gather_bytes, hierarchical_mode and
+ * _min_bytes, count_traffic. The `traffic` counters are added to by whichever thread sends
+ * (the engine thread; a lane caller never sends through the transport) and read by any
+ * thread: atomically, by both. The connections (transport_state, shm rings, scratch)
+ * belong to the engine thread, except for what the transport table says any thread may
+ * call (peer_state, shared_area, abort) and the same-host lane's own areas (direct.c),
+ * which the calling threads use one at a time. `broken` is read and written atomically by
+ * any thread.
  *
  * Errors travel as a status code, with the words in the record (rs_error_t, status.h)
  * of the actor that failed. The records, and which thread writes each:
@@ -118,7 +138,25 @@ struct rs_comm {
     double spin_seconds; /* how long a shared-memory wait spins before it blocks */
     size_t small_allreduce_bytes; /* up to this size, allreduce exchanges whole buffers */
     size_t small_gather_bytes;    /* allgathers up to this total take log2(N) rounds */
+    rs_topology_t topology;       /* hosts and the hierarchical allreduce's groups */
+    int hierarchical_mode;        /* RS_HIERARCHICAL_*: when allreduce goes hierarchical */
+    size_t hierarchical_min_bytes; /* auto: from this size on */
+    /* Bytes sent to each peer since connecting (not the setup), by how they went: the
+     * first `size` entries through TCP, the next `size` through shared-memory rings. */
+    int64_t *traffic;
+    int count_traffic; /* set once setup is over: its exchanges are not traffic */
 };
+
+enum { RS_VIA_TCP = 0, RS_VIA_SHM = 1 };
+
+/* A debug counter: the transports' sends report the bytes they moved to `peer` (a
+ * negative count takes back bytes that were no data). Relaxed atomics: a total, read by
+ * tests after the collectives they look at have completed. */
+static inline void rs_count_sent(rs_comm_t *comm, int via, int peer, int64_t bytes) {
+    if (comm->count_traffic && bytes)
+        __atomic_fetch_add(&comm->traffic[(size_t)via * comm->size + peer], bytes,
+                           __ATOMIC_RELAXED);
+}
 
 /* Record an error in words; recoverable kinds also mark the communicator broken. */
 rs_status_t rs_fail(rs_comm_t *comm, rs_status_t status, const char *fmt, ...)
@@ -210,5 +248,50 @@ rs_status_t rs_adasum_dots(const void *a, const void *b, size_t count, rs_dtype_
                            double sums[3]);
 rs_status_t rs_adasum_combine(void *out, const void *a, const void *b, size_t count,
                               rs_dtype_t dtype, const double sums[3]);
+
+/* ---- rings over a group of the communicator's ranks (ring.c) ---- */
+
+/* A ring over some of the communicator's ranks: position i is rank ranks[i] (ranks NULL:
+ * rank i, the flat ring over every rank); `me` is this rank's position. */
+typedef struct {
+    const int *ranks;
+    int n;
+    int me;
+} rs_group_t;
+
+static inline rs_group_t rs_group_all(const rs_comm_t *comm) {
+    return (rs_group_t){NULL, comm->size, comm->rank};
+}
+
+/* A buffer cut into blocks, one per ring position: sizes and offsets in bytes (one
+ * allocation: free(bytes)). */
+typedef struct {
+    size_t *bytes;
+    size_t *offset;
+} rs_blocks_t;
+
+/* `count` elements of `unit` bytes (count * unit must not overflow: the caller checks)
+ * in `parts` nearly equal blocks (rs_even_part). */
+rs_status_t rs_blocks_even(rs_comm_t *comm, size_t count, int parts, size_t unit,
+                           rs_blocks_t *b);
+/* In place: afterwards block g->me holds the reduction of that block over the group. */
+rs_status_t rs_ring_reduce_scatter(rs_comm_t *comm, const rs_group_t *g, char *buf,
+                                   const rs_blocks_t *b, size_t elem, rs_reduce_fn fn);
+/* In place: block g->me is this rank's; afterwards it holds every member's block. */
+rs_status_t rs_ring_allgather(rs_comm_t *comm, const rs_group_t *g, char *buf,
+                              const rs_blocks_t *b);
+/* Reduce-scatter, then allgather: the group's reduction of buf, the same bits on every
+ * member. */
+rs_status_t rs_ring_allreduce(rs_comm_t *comm, const rs_group_t *g, char *buf, size_t count,
+                              size_t elem, rs_reduce_fn fn);
+
+/* ---- the hierarchical allreduce (hierarchical.c) ---- */
+
+/* Whether an allreduce of `bytes` goes hierarchical: the topology fits, and the mode is
+ * on, or auto with bytes at least hierarchical_min_bytes. */
+int rs_hierarchical_chosen(const rs_comm_t *comm, size_t bytes);
+/* In place, over the topology's groups (only where topology.hierarchical). */
+rs_status_t rs_hierarchical_allreduce(rs_comm_t *comm, char *buf, size_t count, size_t elem,
+                                      rs_reduce_fn fn);
 
 #endif

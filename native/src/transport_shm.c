@@ -467,6 +467,9 @@ static void ring_doorbell(rs_comm_t *comm, int peer, int *sleeping) {
         /* Unchecked on purpose: a full socket already holds a bell, and a broken one is
          * reported by the next poll or transfer on that peer. */
         comm->shm->below->send(comm, peer, &bell, 1, &done);
+        /* A wake-up, not data: the traffic counters say where the collectives' bytes
+         * went, so the bell comes back out of the TCP count the send below added. */
+        rs_count_sent(comm, RS_VIA_TCP, peer, -(int64_t)done);
     }
 }
 
@@ -496,6 +499,7 @@ static rs_status_t shm_send(rs_comm_t *comm, int peer, const char *buf, size_t l
     copy_ring(r->data, buf + *done, head, n, 1);
     __atomic_store_n(&r->header.head, head + n, __ATOMIC_RELEASE);
     *done += n;
+    rs_count_sent(comm, RS_VIA_SHM, peer, (int64_t)n);
     ring_doorbell(comm, peer, &r->header.consumer_sleeping);
     return RS_OK;
 }

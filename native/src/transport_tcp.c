@@ -794,8 +794,7 @@ static rs_status_t peer_error(rs_comm_t *comm, int peer, const char *what, int e
                    comm->rank, peer, rs_peer_host(comm, peer), what);
 }
 
-static rs_status_t tcp_send(rs_comm_t *comm, int peer, const char *buf, size_t len,
-                            size_t *done) {
+static rs_status_t push(rs_comm_t *comm, int peer, const char *buf, size_t len, size_t *done) {
     int fd = state_of(comm)->fds[peer];
     while (*done < len) {
         ssize_t r = send(fd, buf + *done, len - *done, MSG_NOSIGNAL | MSG_DONTWAIT);
@@ -810,6 +809,14 @@ static rs_status_t tcp_send(rs_comm_t *comm, int peer, const char *buf, size_t l
         return peer_error(comm, peer, r < 0 ? strerror(errno) : "closed", r < 0 ? errno : 0);
     }
     return RS_OK;
+}
+
+static rs_status_t tcp_send(rs_comm_t *comm, int peer, const char *buf, size_t len,
+                            size_t *done) {
+    size_t before = *done;
+    rs_status_t st = push(comm, peer, buf, len, done);
+    rs_count_sent(comm, RS_VIA_TCP, peer, (int64_t)(*done - before));
+    return st;
 }
 
 static rs_status_t tcp_recv(rs_comm_t *comm, int peer, char *buf, size_t len, size_t *done) {

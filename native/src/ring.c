@@ -1,0 +1,97 @@
+/* Ring building blocks over a group of the communicator's ranks: reduce-scatter,
+ * allgather and their sum, the ring allreduce. The flat ring is the group of every rank;
+ * the hierarchical allreduce (hierarchical.c) runs them over a host's ranks and over the
+ * ranks with the same place on every host. */
+#include <stdlib.h>
+
+#include "internal.h"
+#include "util.h"
+
+/* Received data is reduced in pieces of this size while the rest is still arriving,
+ * so that reduction overlaps transfer within each ring step. */
+#define RS_REDUCE_SEGMENT_BYTES (256 * 1024)
+
+static int mod(int a, int n) { return ((a % n) + n) % n; }
+
+/* The communicator rank at ring position `position` (taken modulo the group's size). */
+static int member(const rs_group_t *g, int position) {
+    int p = mod(position, g->n);
+    return g->ranks ? g->ranks[p] : p;
+}
+
+rs_status_t rs_blocks_even(rs_comm_t *comm, size_t count, int parts, size_t unit,
+                           rs_blocks_t *b) {
+    b->bytes = malloc(2 * (size_t)parts * sizeof(size_t));
+    if (!b->bytes)
+        return rs_fail(comm, RS_ERR_NOMEM, "out of memory");
+    b->offset = b->bytes + parts;
+    for (int i = 0; i < parts; i++) {
+        rs_even_part(count, parts, i, &b->offset[i], &b->bytes[i]);
+        b->offset[i] *= unit; /* at most count * unit, which the caller checked */
+        b->bytes[i] *= unit;
+    }
+    return RS_OK;
+}
+
+typedef struct {
+    rs_reduce_fn fn;
+    char *dst;
+    size_t elem;
+    size_t reduced; /* bytes of the block already reduced */
+} reduce_arrival_t;
+
+static void reduce_arrived(rs_xfer_t *x) {
+    reduce_arrival_t *r = (reduce_arrival_t *)x->arg;
+    size_t ready = x->done - x->done % r->elem;
+    if (x->done < x->len && ready - r->reduced < RS_REDUCE_SEGMENT_BYTES)
+        return;
+    r->fn(r->dst + r->reduced, x->buf + r->reduced, (ready - r->reduced) / r->elem);
+    r->reduced = ready;
+}
+
+/* At step s a member sends block me-s-1 and reduces the incoming block me-s-2 into its
+ * own copy, which it sends on at step s+1. Each block is reduced in one place, in ring
+ * order, so that its owner's bits are the only ones that exist. */
+rs_status_t rs_ring_reduce_scatter(rs_comm_t *comm, const rs_group_t *g, char *buf,
+                                   const rs_blocks_t *b, size_t elem, rs_reduce_fn fn) {
+    size_t largest = 0;
+    for (int i = 0; i < g->n; i++)
+        largest = b->bytes[i] > largest ? b->bytes[i] : largest;
+    void *incoming;
+    RS_CHECK(rs_scratch(comm, largest, &incoming));
+    for (int s = 0; s < g->n - 1; s++) {
+        int out = mod(g->me - s - 1, g->n);
+        int in = mod(g->me - s - 2, g->n);
+        reduce_arrival_t arrival = {fn, buf + b->offset[in], elem, 0};
+        rs_xfer_t x[2] = {rs_send_to(member(g, g->me + 1), buf + b->offset[out], b->bytes[out]),
+                          rs_recv_from(member(g, g->me - 1), incoming, b->bytes[in])};
+        x[1].on_recv = reduce_arrived;
+        x[1].arg = &arrival;
+        RS_CHECK(rs_progress(comm, x, 2));
+    }
+    return RS_OK;
+}
+
+rs_status_t rs_ring_allgather(rs_comm_t *comm, const rs_group_t *g, char *buf,
+                              const rs_blocks_t *b) {
+    for (int s = 0; s < g->n - 1; s++) {
+        int out = mod(g->me - s, g->n);
+        int in = mod(g->me - s - 1, g->n);
+        rs_xfer_t x[2] = {rs_send_to(member(g, g->me + 1), buf + b->offset[out], b->bytes[out]),
+                          rs_recv_from(member(g, g->me - 1), buf + b->offset[in], b->bytes[in])};
+        RS_CHECK(rs_progress(comm, x, 2));
+    }
+    return RS_OK;
+}
+
+rs_status_t rs_ring_allreduce(rs_comm_t *comm, const rs_group_t *g, char *buf, size_t count,
+                              size_t elem, rs_reduce_fn fn) {
+    rs_blocks_t b;
+    RS_CHECK(rs_blocks_even(comm, count, g->n, elem, &b));
+    rs_status_t st;
+    RS_CHECK_GOTO(rs_ring_reduce_scatter(comm, g, buf, &b, elem, fn), st, out);
+    st = rs_ring_allgather(comm, g, buf, &b);
+out:
+    free(b.bytes);
+    return st;
+}
