@@ -28,18 +28,19 @@ typedef struct {
 
 static tcp_state_t *state_of(rs_comm_t *comm) { return (tcp_state_t *)comm->transport_state; }
 
+/* Without a timeout, a host that stops answering is given this long (see tune_socket). */
+#define UNANSWERED_HOST_SECONDS 120.0
+
 /* A peer whose host or network went away sends no FIN: without help the kernel retries
- * for many minutes and the wait looks like a slow peer. With a timeout set, the kernel
- * gives up on data left unacknowledged for half of it (TCP_USER_TIMEOUT), and probes an
- * idle connection after a third of it (keepalive: answered by the peer's kernel even
- * when its process is busy, so a slow peer is never mistaken for a lost one). */
+ * for many minutes and the wait looks like a slow peer. The kernel gives up on data left
+ * unacknowledged for half the timeout (TCP_USER_TIMEOUT), and probes an idle connection
+ * after a third of it (keepalive: answered by the peer's kernel even when its process is
+ * busy, so a slow peer is never mistaken for a lost one, and no timeout is needed). */
 static void tune_socket(const rs_comm_t *comm, int fd) {
     int one = 1;
     /* Small messages (barriers, size exchanges) must not wait for Nagle's timer. */
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    if (comm->timeout_seconds <= 0)
-        return;
-    double t = comm->timeout_seconds;
+    double t = comm->timeout_seconds > 0 ? comm->timeout_seconds : UNANSWERED_HOST_SECONDS;
     unsigned user_ms = (unsigned)(t * 500 < 1000 ? 1000 : t * 500 > 3.6e6 ? 3.6e6 : t * 500);
     int idle = (int)(t / 3 < 1 ? 1 : t / 3 > 3600 ? 3600 : t / 3), interval = 1, probes = 3;
     setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_ms, sizeof user_ms);

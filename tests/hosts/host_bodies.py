@@ -101,3 +101,60 @@ def fails_when_a_link_goes_down(outdir):
             os.path.exists(os.path.join(outdir, f"outcome{r}")) for r in range(size)):
         time.sleep(0.1)
     os._exit(0)  # MPI_Finalize would wait for the host that is cut off
+
+
+def _check_topology(host_count, ranks_per_host):
+    from mpi4py import MPI
+    hosts = MPI.COMM_WORLD.allgather(socket.gethostname())
+    assert len(set(hosts)) == int(host_count), hosts
+    assert max(Counter(hosts).values()) == int(ranks_per_host), hosts
+    got = (rs.local_rank(), rs.local_size(), rs.cross_rank(), rs.cross_size())
+    assert got == _expected_topology(hosts, rs.rank()), (rs.rank(), hosts, got)
+
+
+def collectives_at_scale(host_count, ranks_per_host):
+    """Every collective on many ranks, with references in closed form (the matrix of
+    tests/mpi/bodies.py computes every rank's inputs on every rank: O(N^2) work that
+    32 ranks on 2 cores cannot afford). Data differ by rank and position; sizes include 0,
+    1, a prime, and one large enough for the hierarchical allreduce."""
+    rs.init()
+    _check_topology(host_count, ranks_per_host)
+    me, n = rs.rank(), rs.size()
+    for dtype in (np.int64, np.float32, np.float64):
+        for count in (0, 1, 7, 1009, 300_007):
+            index = np.arange(count)
+            x = (me * 1000 + index).astype(dtype)
+            what = f"{np.dtype(dtype).name} count={count}"
+            np.testing.assert_array_equal(rs.allreduce(x, op=rs.Sum),
+                                          (n * index + 1000 * n * (n - 1) // 2).astype(dtype),
+                                          err_msg="sum " + what)
+            np.testing.assert_array_equal(rs.allreduce(x, op=rs.Max),
+                                          ((n - 1) * 1000 + index).astype(dtype), "max " + what)
+            np.testing.assert_array_equal(rs.allreduce(x, op=rs.Min), index.astype(dtype),
+                                          "min " + what)
+    mean = rs.allreduce(np.full(1000, me, np.float64), op=rs.Average)
+    np.testing.assert_allclose(mean, (n - 1) / 2, rtol=1e-12)
+    rows = me % 3 + 1  # ranks contribute different row counts
+    got = rs.allgather(np.array([[me, r] for r in range(rows)], dtype=np.int32))
+    np.testing.assert_array_equal(got, [[r, i] for r in range(n) for i in range(r % 3 + 1)])
+    for root in (0, n // 2 + 1, n - 1):
+        x = np.arange(100_003, dtype=np.float64) + root if me == root else np.zeros(100_003)
+        np.testing.assert_array_equal(rs.broadcast(x, root_rank=root),
+                                      np.arange(100_003, dtype=np.float64) + root)
+    total = 3 * n + 2
+    got = rs.reducescatter(np.arange(total, dtype=np.int64) + me, op=rs.Sum)
+    split = [total // n + (i < total % n) for i in range(n)]
+    start = sum(split[:me])
+    np.testing.assert_array_equal(got, n * np.arange(start, start + split[me]) + n * (n - 1) // 2)
+    splits = [(me + dest) % 3 for dest in range(n)]
+    send = np.concatenate([np.full(splits[d], me * 100 + d, np.int64) for d in range(n)])
+    got, received = rs.alltoall(send, splits=splits)
+    assert list(received) == [(r + me) % 3 for r in range(n)], received
+    np.testing.assert_array_equal(got, np.concatenate(
+        [np.full((r + me) % 3, r * 100 + me, np.int64) for r in range(n)]))
+    rs.barrier()
+    traffic = rs._comm().traffic()
+    hosts = rs._comm().host_names
+    assert all(traffic["tcp"][p] == 0 for p in range(n) if p != me and hosts[p] == hosts[me]), \
+        traffic
+    rs.shutdown()

@@ -92,3 +92,14 @@ def test_a_link_taken_down_fails_every_rank(virtual_hosts, tmp_path):
         assert text.startswith("CommunicationError"), (rank, outcomes, result.report())
         others = (2, 3) if rank < 2 else (0, 1)
         assert any(f"rank {peer}" in text for peer in others), (rank, text)
+
+
+@pytest.mark.parametrize("host_count,ranks_per_host", [(4, 8)])
+def test_32_ranks_on_4_hosts(virtual_hosts, host_count, ranks_per_host):
+    """A job of 32 ranks, 8 on each of 4 hosts (oversubscribed: this machine may have 2
+    cores): every collective, with references in closed form."""
+    hosts = virtual_hosts(host_count, rate=None)
+    assert_mpi_ok(BODY + "collectives_at_scale", np=host_count * ranks_per_host,
+                  hosts=hosts, slots=ranks_per_host, timeout=600,
+                  env=dict(ENV, RINGSYNC_TIMEOUT_SECONDS="120"),
+                  args=(host_count, ranks_per_host))

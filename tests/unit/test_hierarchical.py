@@ -71,7 +71,7 @@ def _assert_algorithm(t, rank, hosts, hierarchical):
     """What rank sent in one allreduce of S bytes. Hierarchical, with H hosts of L ranks:
     2(L-1)/L * S to its host's ring over shm, and 2(H-1)/H * S/L over TCP to its peers of
     the same local rank, nothing over TCP to its own host. The flat ring: 2(N-1)/N * S to
-    its right neighbour, nothing to anyone else."""
+    its right neighbour, nothing but negotiation's few bytes to anyone else."""
     s, n = 4 * S_ELEMENTS, len(hosts)
     tcp, shm = (int(t["tcp"].sum()), int(t["shm"].sum()))
     if hierarchical:
@@ -84,7 +84,8 @@ def _assert_algorithm(t, rank, hosts, hierarchical):
     right = (rank + 1) % n
     sent = t["tcp"] + t["shm"]
     assert abs(int(sent[right]) - 2 * (n - 1) * s // n) <= SLACK, (rank, t)
-    assert int(sent.sum() - sent[right]) == 0, (rank, t)
+    # (negotiation's log-step gathers send a few hundred bytes to other peers)
+    assert int(sent.sum() - sent[right]) <= SLACK, (rank, t)
 
 
 def _cases():
@@ -184,7 +185,7 @@ def test_auto_goes_hierarchical_from_its_threshold_only():
 @pytest.mark.parametrize("layout", ["uneven-3+1", "1-per-host"])
 def test_layouts_that_do_not_fit_take_the_flat_ring(layout):
     """Forced on, an uneven layout or one rank per host sends what the flat ring does:
-    2(N-1)/N * S from each rank to its right neighbour, nothing to anyone else."""
+    2(N-1)/N * S from each rank to its right neighbour, nothing but negotiation's few bytes to anyone else."""
     for r, t in enumerate(_run_traffic("on", layout)):
         _assert_algorithm(t, r, LAYOUTS[layout], hierarchical=False)
 
