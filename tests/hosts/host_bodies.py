@@ -158,3 +158,27 @@ def collectives_at_scale(host_count, ranks_per_host):
     assert all(traffic["tcp"][p] == 0 for p in range(n) if p != me and hosts[p] == hosts[me]), \
         traffic
     rs.shutdown()
+
+
+def hierarchical_traffic():
+    """2 hosts x 2 ranks: a 4 MiB allreduce goes hierarchical (auto, from 1 MiB): each
+    rank sends S/2 over TCP (its block of S/L, allreduced across H = 2 hosts: 2(H-1)/H of
+    it) and nothing over TCP to its own host; forced off, the flat ring's boundary ranks
+    send 1.5 S over TCP and the others none."""
+    rs.init()
+    me, n = rs.rank(), rs.size()
+    comm = rs._comm()
+    s = 4 << 20
+
+    def tcp_bytes_of_one_allreduce():
+        before = comm.traffic()["tcp"]
+        x = np.arange(s // 4, dtype=np.float32) + me
+        got = rs.allreduce(x, op=rs.Sum, name="hier.traffic")
+        np.testing.assert_array_equal(got, n * np.arange(s // 4, dtype=np.float32) + n * (n - 1) / 2)
+        return [a - b for a, b in zip(comm.traffic()["tcp"], before)]
+
+    sent = tcp_bytes_of_one_allreduce()
+    hosts = comm.host_names
+    assert all(sent[p] == 0 for p in range(n) if hosts[p] == hosts[me]), sent
+    assert abs(sum(sent) - s // 2) <= 64 << 10, (me, sent)
+    rs.shutdown()

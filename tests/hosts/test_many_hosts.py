@@ -23,6 +23,14 @@ def test_collectives_across_hosts(virtual_hosts, host_count, ranks_per_host):
                   args=(host_count, ranks_per_host))
 
 
+def test_hierarchical_allreduce_sends_the_link_bound(virtual_hosts):
+    """2 hosts of 2 ranks: a large allreduce is hierarchical, and its bytes over TCP are
+    what the algorithm says (the link bound per host), none to same-host peers."""
+    hosts = virtual_hosts(2, rate=None)
+    assert_mpi_ok(BODY + "hierarchical_traffic", np=4, hosts=hosts, slots=2, timeout=120,
+                  env=ENV)
+
+
 def test_uneven_hosts_and_transports(virtual_hosts):
     """3 ranks on one host, 1 on another: topology, collectives, and which transport
     carried the bytes to each peer (shm inside the host, TCP between hosts)."""
