@@ -194,6 +194,9 @@ struct rs_xfer {
 /* Progress all transfers until every one is done, a peer fails, or no byte has moved
  * for the communicator's timeout. */
 rs_status_t rs_progress(rs_comm_t *comm, rs_xfer_t *xfers, int n);
+/* The same, but return as soon as one pair (xfers[2i], xfers[2i+1]) is done: n is even;
+ * a pipeline runs a step of each of its stages at once. */
+rs_status_t rs_progress_any_pair(rs_comm_t *comm, rs_xfer_t *xfers, int n);
 
 static inline rs_xfer_t rs_send_to(int peer, const void *buf, size_t len) {
     rs_xfer_t x = {.peer = peer, .is_send = 1, .buf = (char *)buf, .len = len};
@@ -274,6 +277,28 @@ typedef struct {
  * in `parts` nearly equal blocks (rs_even_part). */
 rs_status_t rs_blocks_even(rs_comm_t *comm, size_t count, int parts, size_t unit,
                            rs_blocks_t *b);
+/* One ring pass over a group, taken a step at a time (rs_ring_step): steps 0..n-2
+ * reduce-scatter buf's blocks (into `incoming`, a buffer of the largest block, reduced
+ * with fn as bytes arrive), steps n-1..2n-3 allgather them. */
+typedef struct {
+    const rs_group_t *g;
+    const rs_blocks_t *blocks;
+    char *buf;
+    size_t elem;
+    rs_reduce_fn fn;
+    char *incoming;
+} rs_ring_run_t;
+/* Where a reduce-scatter step reduces what arrives (x->arg of its receive). */
+typedef struct {
+    rs_reduce_fn fn;
+    char *dst;
+    size_t elem;
+    size_t reduced; /* bytes of the block already reduced */
+} rs_ring_arrival_t;
+/* The two transfers of step s (send to the next member, receive from the previous); a
+ * reduce-scatter step's receive reduces through *arrival, which must outlive them. */
+void rs_ring_step(const rs_ring_run_t *run, int s, rs_xfer_t x[2], rs_ring_arrival_t *arrival);
+size_t rs_largest_block(const rs_blocks_t *b, int n);
 /* In place: afterwards block g->me holds the reduction of that block over the group. */
 rs_status_t rs_ring_reduce_scatter(rs_comm_t *comm, const rs_group_t *g, char *buf,
                                    const rs_blocks_t *b, size_t elem, rs_reduce_fn fn);

@@ -80,7 +80,29 @@ static rs_status_t fail_no_progress(rs_comm_t *comm, const rs_xfer_t *xfers, int
  * byte moves for this long after such a hangup, the peer is declared lost. */
 #define RS_HANGUP_GRACE_SECONDS 2.0
 
+static int done(const rs_xfer_t *x) { return x->done >= x->len; }
+
+static int any_pair_done(const rs_xfer_t *xfers, int n) {
+    for (int i = 0; i + 1 < n; i += 2)
+        if (done(&xfers[i]) && done(&xfers[i + 1]))
+            return 1;
+    return 0;
+}
+
+/* stop (or NULL: when all are done) says when enough transfers are done. */
+static rs_status_t progress_until(rs_comm_t *comm, rs_xfer_t *xfers, int n,
+                                  int (*stop)(const rs_xfer_t *, int));
+
 rs_status_t rs_progress(rs_comm_t *comm, rs_xfer_t *xfers, int n) {
+    return progress_until(comm, xfers, n, NULL);
+}
+
+rs_status_t rs_progress_any_pair(rs_comm_t *comm, rs_xfer_t *xfers, int n) {
+    return any_pair_done(xfers, n) ? RS_OK : progress_until(comm, xfers, n, any_pair_done);
+}
+
+static rs_status_t progress_until(rs_comm_t *comm, rs_xfer_t *xfers, int n,
+                                  int (*stop)(const rs_xfer_t *, int)) {
     if (__atomic_load_n(&comm->broken, __ATOMIC_ACQUIRE))
         return rs_fail(comm, RS_ERR_COMM, "rank %d: communicator is broken by an earlier "
                        "failure; it must be rebuilt", comm->rank);
@@ -95,7 +117,7 @@ rs_status_t rs_progress(rs_comm_t *comm, rs_xfer_t *xfers, int n) {
     for (;;) {
         int moved, pending;
         st = progress_once(comm, xfers, n, &moved, &pending);
-        if (st != RS_OK || pending == 0)
+        if (st != RS_OK || pending == 0 || (stop && stop(xfers, n)))
             break;
         double now = rs_now();
         if (moved)

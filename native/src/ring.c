@@ -33,15 +33,8 @@ rs_status_t rs_blocks_even(rs_comm_t *comm, size_t count, int parts, size_t unit
     return RS_OK;
 }
 
-typedef struct {
-    rs_reduce_fn fn;
-    char *dst;
-    size_t elem;
-    size_t reduced; /* bytes of the block already reduced */
-} reduce_arrival_t;
-
 static void reduce_arrived(rs_xfer_t *x) {
-    reduce_arrival_t *r = (reduce_arrival_t *)x->arg;
+    rs_ring_arrival_t *r = (rs_ring_arrival_t *)x->arg;
     size_t ready = x->done - x->done % r->elem;
     if (x->done < x->len && ready - r->reduced < RS_REDUCE_SEGMENT_BYTES)
         return;
@@ -49,39 +42,58 @@ static void reduce_arrived(rs_xfer_t *x) {
     r->reduced = ready;
 }
 
-/* At step s a member sends block me-s-1 and reduces the incoming block me-s-2 into its
- * own copy, which it sends on at step s+1. Each block is reduced in one place, in ring
- * order, so that its owner's bits are the only ones that exist. */
-rs_status_t rs_ring_reduce_scatter(rs_comm_t *comm, const rs_group_t *g, char *buf,
-                                   const rs_blocks_t *b, size_t elem, rs_reduce_fn fn) {
-    size_t largest = 0;
-    for (int i = 0; i < g->n; i++)
-        largest = b->bytes[i] > largest ? b->bytes[i] : largest;
-    void *incoming;
-    RS_CHECK(rs_scratch(comm, largest, &incoming));
-    for (int s = 0; s < g->n - 1; s++) {
-        int out = mod(g->me - s - 1, g->n);
-        int in = mod(g->me - s - 2, g->n);
-        reduce_arrival_t arrival = {fn, buf + b->offset[in], elem, 0};
-        rs_xfer_t x[2] = {rs_send_to(member(g, g->me + 1), buf + b->offset[out], b->bytes[out]),
-                          rs_recv_from(member(g, g->me - 1), incoming, b->bytes[in])};
+/* Reduce-scatter step s (s < n-1): a member sends block me-s-1 and reduces the incoming
+ * block me-s-2 into its own copy, which it sends on at step s+1. Each block is reduced in
+ * one place, in ring order, so that its owner's bits are the only ones that exist.
+ * Allgather step t = s-(n-1): it sends block me-t and receives block me-t-1 in place. */
+void rs_ring_step(const rs_ring_run_t *run, int s, rs_xfer_t x[2], rs_ring_arrival_t *a) {
+    const rs_group_t *g = run->g;
+    const rs_blocks_t *b = run->blocks;
+    int to = member(g, g->me + 1), from = member(g, g->me - 1);
+    if (s < g->n - 1) {
+        int out = mod(g->me - s - 1, g->n), in = mod(g->me - s - 2, g->n);
+        *a = (rs_ring_arrival_t){run->fn, run->buf + b->offset[in], run->elem, 0};
+        x[0] = rs_send_to(to, run->buf + b->offset[out], b->bytes[out]);
+        x[1] = rs_recv_from(from, run->incoming, b->bytes[in]);
         x[1].on_recv = reduce_arrived;
-        x[1].arg = &arrival;
+        x[1].arg = a;
+        return;
+    }
+    int t = s - (g->n - 1);
+    int out = mod(g->me - t, g->n), in = mod(g->me - t - 1, g->n);
+    x[0] = rs_send_to(to, run->buf + b->offset[out], b->bytes[out]);
+    x[1] = rs_recv_from(from, run->buf + b->offset[in], b->bytes[in]);
+}
+
+size_t rs_largest_block(const rs_blocks_t *b, int n) {
+    size_t largest = 0;
+    for (int i = 0; i < n; i++)
+        largest = b->bytes[i] > largest ? b->bytes[i] : largest;
+    return largest;
+}
+
+/* Steps first..last-1 of a run, one after another. */
+static rs_status_t run_steps(rs_comm_t *comm, const rs_ring_run_t *run, int first, int last) {
+    for (int s = first; s < last; s++) {
+        rs_xfer_t x[2];
+        rs_ring_arrival_t arrival;
+        rs_ring_step(run, s, x, &arrival);
         RS_CHECK(rs_progress(comm, x, 2));
     }
     return RS_OK;
 }
 
+rs_status_t rs_ring_reduce_scatter(rs_comm_t *comm, const rs_group_t *g, char *buf,
+                                   const rs_blocks_t *b, size_t elem, rs_reduce_fn fn) {
+    rs_ring_run_t run = {g, b, buf, elem, fn, NULL};
+    RS_CHECK(rs_scratch(comm, rs_largest_block(b, g->n), (void **)&run.incoming));
+    return run_steps(comm, &run, 0, g->n - 1);
+}
+
 rs_status_t rs_ring_allgather(rs_comm_t *comm, const rs_group_t *g, char *buf,
                               const rs_blocks_t *b) {
-    for (int s = 0; s < g->n - 1; s++) {
-        int out = mod(g->me - s, g->n);
-        int in = mod(g->me - s - 1, g->n);
-        rs_xfer_t x[2] = {rs_send_to(member(g, g->me + 1), buf + b->offset[out], b->bytes[out]),
-                          rs_recv_from(member(g, g->me - 1), buf + b->offset[in], b->bytes[in])};
-        RS_CHECK(rs_progress(comm, x, 2));
-    }
-    return RS_OK;
+    rs_ring_run_t run = {g, b, buf, 0, NULL, NULL};
+    return run_steps(comm, &run, g->n - 1, 2 * (g->n - 1));
 }
 
 rs_status_t rs_ring_allreduce(rs_comm_t *comm, const rs_group_t *g, char *buf, size_t count,
