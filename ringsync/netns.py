@@ -22,6 +22,7 @@ the bridge's own address (where mpirun listens), nothing else.
 from __future__ import annotations
 
 import fcntl
+import functools
 import ipaddress
 import os
 import re
@@ -60,10 +61,29 @@ def unavailable() -> Optional[str]:
     for tool in ("ip", "tc", "unshare"):
         if shutil.which(tool) is None:
             return f"virtual hosts need the `{tool}` command, which is not on PATH"
-    probe = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        return f"`ip netns` does not work here: {probe.stderr.strip()}"
-    return None
+    return _probe()
+
+
+@functools.lru_cache(maxsize=1)
+def _probe() -> Optional[str]:
+    """Make (and remove) a namespace, a veth pair and a bridge: a container without the
+    privileges for them has the commands but cannot use them."""
+    name, link = f"{NAME_PREFIX}{os.getpid()}probe", f"rp{_base36(os.getpid())}"
+    steps = [["ip", "netns", "add", name],
+             ["ip", "link", "add", link, "type", "veth", "peer", "name", link + "p"],
+             ["ip", "link", "set", link + "p", "netns", name],
+             ["ip", "link", "add", link + "b", "type", "bridge"]]
+    try:
+        for step in steps:
+            done = subprocess.run(step, capture_output=True, text=True)
+            if done.returncode != 0:
+                return f"cannot make virtual hosts here: `{shlex.join(step)}`: " \
+                       f"{done.stderr.strip()}"
+        return None
+    finally:
+        for undo in (["ip", "link", "del", link + "b"], ["ip", "link", "del", link],
+                     ["ip", "netns", "del", name]):
+            subprocess.run(undo, capture_output=True)
 
 
 def _run(*command: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -111,3 +111,43 @@ def test_32_ranks_on_4_hosts(virtual_hosts, host_count, ranks_per_host):
                   hosts=hosts, slots=ranks_per_host, timeout=600,
                   env=dict(ENV, RINGSYNC_TIMEOUT_SECONDS="120"),
                   args=(host_count, ranks_per_host))
+
+
+def test_virtual_hosts_are_removed_even_when_the_body_fails(virtual_hosts):
+    """A `with` block that raises leaves no namespace, link or file behind; namespaces of
+    an owner that died without cleaning up are removed when hosts are next made."""
+    import os
+    import subprocess
+    from ringsync.netns import VirtualHosts
+
+    def namespaces():
+        return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+    def links():
+        return subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+
+    with pytest.raises(RuntimeError, match="the body failed"):
+        with VirtualHosts(2, rate="1gbit") as hosts:
+            made, bridge, agent = list(hosts.names), hosts.bridge, hosts.agent
+            assert all(name in namespaces() for name in made)
+            raise RuntimeError("the body failed")
+    assert not any(name in namespaces() for name in made), namespaces()
+    assert bridge not in links() and not os.path.exists(agent)
+    assert not any(os.path.exists(f"/etc/netns/{name}") for name in made)
+    dead = 4194304 + 1  # above Linux's largest pid: no such owner
+    stale = f"rsh{dead}x1h0"
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    try:
+        virtual_hosts(1, rate=None)
+        assert stale not in namespaces()
+    finally:
+        subprocess.run(["ip", "netns", "del", stale], capture_output=True)
+
+
+def test_unavailable_says_why(monkeypatch):
+    from ringsync import netns
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    assert "root" in netns.unavailable()
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(netns.shutil, "which", lambda tool: None if tool == "tc" else "/x")
+    assert "`tc`" in netns.unavailable()
