@@ -355,7 +355,7 @@ def torch_training(marker: str = ""):
             rows = _rows(state.step, hvd.size(), hvd.rank())
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
-            if me == victim and state.step == kill_step:
+            if me in victims and state.step == kill_step:
                 die("mid-allreduce at step %d" % state.step)  # reductions are in flight
             opt.step()
             _step_done(state, hvd.size(), steps_run)
@@ -414,7 +414,7 @@ def sampler_coverage(marker: str = ""):
     def train(state):
         loader = torch.utils.data.DataLoader(list(range(n)), batch_size=batch, sampler=state.sampler)
         for batch_idx, indices in enumerate(loader):
-            if me == victim and state.steps == 5:
+            if me in victims and state.steps == 5:
                 die("mid-epoch")
             mine = np.zeros(n)
             np.add.at(mine, indices.numpy(), 1)
@@ -488,7 +488,7 @@ def keras_training(marker: str = ""):
     @hvd.elastic.run
     def train(state):
         while state.step < TORCH_STEPS:
-            if me == victim and state.step == kill_step:
+            if me in victims and state.step == kill_step:
                 die("at step %d" % state.step)
             rows = _rows(state.step, hvd.size(), hvd.rank())
             _keras_step(model, optimizer, x[rows], y[rows].astype("int64"),
