@@ -9,7 +9,8 @@ import traceback
 
 from .config import Config
 from .errors import (CommunicationError, CommunicationTimeout, HorovodInternalError,
-                     MismatchError, NotInitializedError, RingsyncError, UsageError)
+                     HostsUpdatedInterrupt, MismatchError, NotInitializedError, RingsyncError,
+                     UsageError)
 
 __version__ = "0.1.0"
 
@@ -316,4 +317,5 @@ __all__ = [
     "Handle", "Sum", "Average", "Min", "Max", "Adasum",
     "Product", "ReduceOp", "Communicator", "Config", "RingsyncError", "UsageError",
     "NotInitializedError", "MismatchError", "CommunicationError", "CommunicationTimeout", "HorovodInternalError",
+    "HostsUpdatedInterrupt",
 ]

@@ -242,8 +242,8 @@ class MpiRendezvous(Rendezvous, FaultTolerance):
         survivors, lost = shrink(self._comm)
         return MpiRendezvous(survivors, owned=False), lost
 
-    def spawn(self, count: int):
-        return MpiRendezvous(spawn_replacements(self._comm, count), owned=False)
+    def spawn(self, count: int, hosts=None):
+        return MpiRendezvous(spawn_replacements(self._comm, count, hosts), owned=False)
 
     def allreduce_min(self, value: int) -> int:
         from mpi4py import MPI
@@ -314,15 +314,23 @@ def shrink(comm):
     return survivors, sorted(set(range(comm.Get_size())) - set(kept))
 
 
-def spawn_replacements(comm, count: int):
+def spawn_replacements(comm, count: int, hosts=None):
     """Start `count` new ranks running this program, with comm's ranks first in the
-    merged communicator returned."""
+    merged communicator returned; hosts ({host: ranks}, adding up to count) says where,
+    else mpirun chooses."""
     from mpi4py import MPI
-    info = MPI.Info.Create()
-    info.Set("map_by", ":OVERSUBSCRIBE")  # replacements may land where the lost ranks ran
     argv = list(getattr(sys, "orig_argv", [sys.executable] + sys.argv))
-    inter = comm.Spawn(sys.executable, argv[1:], maxprocs=count, info=info, root=0)
-    info.Free()
+    places = list((hosts or {None: count}).items())
+    infos = []
+    for host, _ in places:
+        infos.append(MPI.Info.Create())
+        infos[-1].Set("map_by", ":OVERSUBSCRIBE")  # they may land where lost ranks ran
+        if host is not None:
+            infos[-1].Set("host", f"{host}:{dict(places)[host]}")
+    inter = comm.Spawn_multiple([sys.executable] * len(places), [argv[1:]] * len(places),
+                                [n for _, n in places], infos, root=0)
+    for info in infos:
+        info.Free()
     world = _errors_return(inter.Merge(high=False))
     inter.Disconnect()
     return world

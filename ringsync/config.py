@@ -176,6 +176,16 @@ class Config:
         0, "RINGSYNC_ELASTIC_RESPAWN", maximum=1, agreed=True,
         help="elastic: 1 starts replacement ranks after a loss, back to the original size, or "
              "to `RINGSYNC_ELASTIC_MAX_NP` where that is smaller (`--respawn`)")
+    elastic_discovery_script: Optional[str] = _setting(
+        None, "RINGSYNC_ELASTIC_DISCOVERY_SCRIPT", unit="path", default_text="(none)",
+        agreed=True,
+        help="elastic: a program printing the hosts available now, one `host:slots` per "
+             "line (`--host-discovery-script`); rank 0 runs it at commits, and the job "
+             "grows onto new slots and drops ranks on hosts that went away. Every host it "
+             "may name must be in the job's `-H`/`--hostfile`")
+    elastic_discovery_seconds: float = _setting(
+        1.0, "RINGSYNC_ELASTIC_DISCOVERY_SECONDS", unit="seconds", zero="at every commit",
+        help="elastic: run the host discovery script at most this often")
     elastic_reset_limit: int = _setting(
         0, "RINGSYNC_ELASTIC_RESET_LIMIT", unit="recoveries", zero="no limit", agreed=True,
         help="elastic: most recoveries before the job ends (`--reset-limit`)")

@@ -22,6 +22,7 @@ rank 0, and calls the training function again. rank() and size() report the new 
 import copy
 import functools
 import os
+import subprocess
 import sys
 import time
 from typing import Callable, Iterable, List
@@ -31,7 +32,7 @@ import ringsync as _rs
 from . import bootstrap
 from .config import Config
 from ._core import Communicator
-from .errors import CommunicationError, UsageError
+from .errors import CommunicationError, HostsUpdatedInterrupt, UsageError
 from .objects import broadcast_object
 from .rendezvous import FaultTolerance
 
@@ -108,9 +109,27 @@ class State:
         self._snapshots.pop(self._commit_id - 2, None)
 
     def check_host_updates(self) -> None:
-        """Horovod raises HostsUpdatedInterrupt here when its driver found hosts added or
-        removed. ringsync has no host discovery (the rank set changes only when a rank is
-        lost, or replaced with --respawn): nothing to check."""
+        """With host discovery (--host-discovery-script), after every commit: rank 0's
+        latest view of the hosts is shared; ranks on a host that went away (or past its
+        slots) leave as if they failed (the others recover, rolling back to this commit,
+        so nothing is lost); new slots raise HostsUpdatedInterrupt on every rank, which
+        run() answers by starting ranks there. Without discovery: nothing to check."""
+        if not hasattr(self, "_discovery"):
+            self._discovery = HostDiscovery.from_config(Config.from_env())
+        if self._discovery is None or not _rs.is_initialized():
+            return
+        comm = _rs._comm()
+        wanted = broadcast_object(self._discovery.poll() if comm.rank() == 0 else None, 0,
+                                  name="ringsync.elastic.hosts")
+        if wanted is None:
+            return
+        plan = host_plan(comm.host_names, wanted, self._discovery.max_np)
+        if comm.rank() in plan.leaving:
+            _log(f"rank {comm.rank()} on host {comm.host_names[comm.rank()]}: its host is no "
+                 "longer offered (host discovery); leaving the job")
+            bootstrap.exit_as_failed()
+        if not plan.leaving and plan.adding:
+            raise HostsUpdatedInterrupt(skip_sync=False, hosts=plan.adding)
 
     def _roll_back(self, commit_id) -> None:
         """Recovery's roll-back: to commit_id (the newest every survivor holds), or, for a
@@ -138,6 +157,76 @@ class State:
         self._commit_id = broadcast_object(self._commit_id, 0, name="ringsync.elastic.commit")
         self.broadcast_state(0)
         self._snapshots = {self._commit_id: self.snapshot()}
+
+
+class HostDiscovery:
+    """Rank 0's view of the available hosts: the discovery script's output, {host: slots},
+    refreshed at most every `interval` seconds (the last good answer in between, or when
+    the script fails: it is logged, never fatal)."""
+
+    def __init__(self, script: str, interval: float, max_np: int = 0):
+        self.script, self.interval, self.max_np = script, interval, max_np
+        self._last, self._when = None, -float("inf")
+
+    @classmethod
+    def from_config(cls, config: Config):
+        if not config.elastic_discovery_script:
+            return None
+        return cls(config.elastic_discovery_script, config.elastic_discovery_seconds,
+                   config.elastic_max_np)
+
+    def poll(self):
+        if time.monotonic() - self._when < self.interval:
+            return self._last
+        self._when = time.monotonic()
+        try:
+            done = subprocess.run([self.script], capture_output=True, text=True, timeout=30)
+            if done.returncode != 0:
+                raise RuntimeError(f"exit status {done.returncode}: {done.stderr.strip()}")
+            self._last = parse_hosts(done.stdout)
+        except (OSError, RuntimeError, ValueError, subprocess.TimeoutExpired) as e:
+            _log(f"host discovery script {self.script!r} failed ({e}); keeping the last "
+                 "list of hosts")
+        return self._last
+
+
+def parse_hosts(text: str) -> dict:
+    """`host:slots` (or `host`, one slot) per line -> {host: slots}, in order."""
+    hosts = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        host, _, slots = line.partition(":")
+        count = int(slots) if slots else 1
+        if not host or count < 0:
+            raise ValueError(f"bad host line {line!r} (expected host:slots)")
+        hosts[host] = hosts.get(host, 0) + count
+    return hosts
+
+
+class HostPlan:
+    """What a new list of hosts means for the ranks now: `leaving` (ranks on hosts gone,
+    or past their host's slots), `adding` ({host: new ranks}, within max_np)."""
+
+    def __init__(self, leaving, adding):
+        self.leaving, self.adding = leaving, adding
+
+
+def host_plan(host_names, wanted: dict, max_np: int = 0) -> HostPlan:
+    seen, leaving = {}, []
+    for rank, host in enumerate(host_names):
+        seen[host] = seen.get(host, 0) + 1
+        if seen[host] > wanted.get(host, 0):
+            leaving.append(rank)
+    room = (max_np or float("inf")) - (len(host_names) - len(leaving))
+    adding = {}
+    for host, slots in wanted.items():
+        extra = int(min(slots - seen.get(host, 0), room))
+        if extra > 0:
+            adding[host] = extra
+            room -= extra
+    return HostPlan(leaving, adding)
 
 
 def capture(value):
@@ -197,6 +286,10 @@ def run(func):
             try:
                 state.sync()
                 return func(state, *args, **kwargs)
+            except HostsUpdatedInterrupt as interrupt:
+                recovery.grow(interrupt.hosts, install=_rs._install)
+                state.on_reset()
+                recovery.report_growth()
             except Exception as error:
                 if not _is_rank_failure(error, recovery.comm):
                     raise
@@ -285,6 +378,30 @@ class _Recovery:
             install(self.comm)
         _warn_if_mpi_finalize_will_run()
         return self.comm
+
+    def grow(self, hosts: dict, install=None):
+        """New ranks on `hosts` ({host: count}): every rank of the job starts them
+        together (MPI Spawn), then all build a ring over the merged communicator. The old
+        ring ends in order first: nothing failed."""
+        old = self.comm
+        self._started = time.monotonic()
+        self._old_size = old.size()
+        rendezvous = old.rendezvous
+        if not isinstance(rendezvous, FaultTolerance):
+            raise UsageError("ringsync.elastic: host discovery needs the MPI rendezvous")
+        grown = rendezvous.spawn(sum(hosts.values()), hosts)
+        old.shutdown()
+        self.comm = Communicator(rendezvous=grown)
+        self.target_size = max(self.target_size, self.comm.size())
+        if install is not None:
+            install(self.comm)
+        self._added = hosts
+        return self.comm
+
+    def report_growth(self) -> None:
+        if self.comm.rank() == 0:
+            _log(f"hosts added: {self._added}; {self._old_size} -> {self.comm.size()} ranks; "
+                 f"took {time.monotonic() - self._started:.2f} s")
 
     def report(self) -> None:
         if self.comm.rank() == 0:

@@ -281,6 +281,7 @@ class RunOptions:
     max_np: int | None = None
     respawn: bool = False
     reset_limit: int | None = None
+    host_discovery_script: str | None = None
     mpi_args: str | None = None
     dry_run: bool = False
     verbose: bool = False
@@ -320,9 +321,11 @@ def build_mpirun_command(
 def elastic_settings(options: RunOptions) -> dict[str, str]:
     """The RINGSYNC_ELASTIC_* variables (read by ringsync.elastic in every rank) for the
     elastic options given."""
+    script = options.host_discovery_script
     values = {"elastic_min_np": options.min_np, "elastic_max_np": options.max_np,
               "elastic_respawn": 1 if options.respawn else None,
-              "elastic_reset_limit": options.reset_limit}
+              "elastic_reset_limit": options.reset_limit,
+              "elastic_discovery_script": os.path.abspath(script) if script else None}
     return {env_of(name): str(value) for name, value in values.items() if value is not None}
 
 
@@ -330,7 +333,9 @@ def check_elastic_options(options: RunOptions) -> str | None:
     """What is wrong with the elastic options, in words, or None."""
     given = [flag for flag, value in (("--min-np", options.min_np), ("--max-np", options.max_np),
                                       ("--respawn", options.respawn or None),
-                                      ("--reset-limit", options.reset_limit))
+                                      ("--reset-limit", options.reset_limit),
+                                      ("--host-discovery-script",
+                                       options.host_discovery_script))
              if value is not None]
     if given and not options.elastic:
         return f"{', '.join(given)}: only with --elastic"
@@ -338,6 +343,9 @@ def check_elastic_options(options: RunOptions) -> str | None:
         return f"--min-np {options.min_np} must be between 1 and -np {options.np}"
     if options.max_np is not None and options.max_np < options.np:
         return f"--max-np {options.max_np} is below -np {options.np}"
+    if options.host_discovery_script and not (options.hosts or options.hostfile):
+        return ("--host-discovery-script: give every host it may name with -H or "
+                "--hostfile (mpirun starts new ranks only on the job's hosts)")
     if options.reset_limit is not None and options.reset_limit < 0:
         return f"--reset-limit {options.reset_limit} must be 0 (no limit) or more"
     return None
@@ -626,6 +634,10 @@ RUN_OPTIONS = [
     (("--reset-limit",),
      dict(dest="reset_limit", type=int, metavar="R",
           help="elastic: end the job after R recoveries (default: no limit)")),
+    (("--host-discovery-script",),
+     dict(dest="host_discovery_script", metavar="SCRIPT",
+          help="elastic: a program printing the available hosts (host:slots lines); the "
+               "job grows onto new slots and drops ranks on hosts that go away, at commits")),
     (("--mpi-args",),
      dict(dest="mpi_args", metavar='"ARGS"',
           help='extra mpirun options, one shell-quoted string given with "=" (as '
@@ -674,7 +686,8 @@ def make_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "run",
         help="start a program on N ranks under mpirun",
         usage="ringsync run -np N [-H HOST:SLOTS,...] [--hostfile FILE] [--elastic "
-              "[--min-np K] [--max-np M] [--respawn] [--reset-limit R]] [--mpi-args=\"ARGS\"] "
+              "[--min-np K] [--max-np M] [--respawn] [--reset-limit R] "
+              "[--host-discovery-script SCRIPT]] [--mpi-args=\"ARGS\"] "
               "[--dry-run] "
               "[--verbose] [--] program [args ...]",
         allow_abbrev=False,

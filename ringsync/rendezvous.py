@@ -63,8 +63,9 @@ class FaultTolerance(abc.ABC):
         (their rendezvous, the ranks of this one that were lost)."""
 
     @abc.abstractmethod
-    def spawn(self, count: int) -> Rendezvous:
-        """Start `count` new ranks; this one's ranks come first in the one returned."""
+    def spawn(self, count: int, hosts=None) -> Rendezvous:
+        """Start `count` new ranks (hosts: {host: ranks} where to, else the launcher's
+        choice); this one's ranks come first in the one returned."""
 
     @abc.abstractmethod
     def allreduce_min(self, value: int) -> int:

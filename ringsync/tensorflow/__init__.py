@@ -16,8 +16,8 @@ import ringsync as _rs
 from ringsync import (Average, Max, Min, Product, ReduceOp, Sum, barrier, cross_rank,
                       cross_size, init, is_initialized, join, local_rank, local_size, rank,
                       shutdown, size, start_timeline, stop_timeline)
-from ringsync.errors import (CommunicationError, HorovodInternalError, RingsyncError,
-                             UsageError)
+from ringsync.errors import (CommunicationError, HorovodInternalError, HostsUpdatedInterrupt,
+                             RingsyncError, UsageError)
 from ringsync._adapters import CastCompressor, NoneCompressor, check_differentiable, grad_name
 from ringsync.objects import allgather_object, broadcast_object
 
@@ -277,7 +277,7 @@ __all__ = [
     "allreduce", "grouped_allreduce", "allgather", "broadcast", "reducescatter", "alltoall",
     "broadcast_variables", "broadcast_object", "allgather_object", "DistributedGradientTape",
     "Compression", "Average", "Sum", "Min", "Max", "Product", "ReduceOp", "RingsyncError",
-    "UsageError", "CommunicationError", "HorovodInternalError",
+    "UsageError", "CommunicationError", "HorovodInternalError", "HostsUpdatedInterrupt",
 ]
 
 

@@ -7,7 +7,8 @@
         ...   # steps with DistributedGradientTape or the Keras DistributedOptimizer
         state.commit()
 """
-from ringsync.elastic import ObjectState, State, run  # noqa: F401 (the module's API)
+from ringsync.elastic import (HostsUpdatedInterrupt, ObjectState, State,  # noqa: F401
+                              run)  # (the module's API)
 
 from . import broadcast_variables
 

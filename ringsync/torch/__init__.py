@@ -19,8 +19,8 @@ from ringsync import (Adasum, Average, Max, Min, Product, ProcessSet, ReduceOp, 
 from ringsync.build_info import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled,
                                  is_homogeneous, mpi_built, mpi_enabled, mpi_threads_supported,
                                  nccl_built, rocm_built)
-from ringsync.errors import (CommunicationError, HorovodInternalError, MismatchError,
-                             RingsyncError, UsageError)
+from ringsync.errors import (CommunicationError, HorovodInternalError, HostsUpdatedInterrupt,
+                             MismatchError, RingsyncError, UsageError)
 
 from . import elastic
 from .compression import Compression

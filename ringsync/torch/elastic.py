@@ -21,7 +21,8 @@ from typing import Iterator, List
 import torch
 
 import ringsync as _rs
-from ringsync.elastic import ObjectState, State, run  # noqa: F401 (the module's API)
+from ringsync.elastic import (HostsUpdatedInterrupt, ObjectState, State,  # noqa: F401
+                              run)  # (the module's API)
 
 from .functions import broadcast_optimizer_state, broadcast_parameters
 

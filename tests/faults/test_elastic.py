@@ -146,13 +146,24 @@ class HorovodStyleState(elastic.State):
         self.resets += 1
 
 
+# scenario "hosts": at these steps rank 0 changes what the host discovery script prints
+# (to the value of the variable named), which takes effect at the next commit.
+HOST_CHANGES = {6: "RINGSYNC_TEST_HOSTS_GROWN", 14: "RINGSYNC_TEST_HOSTS_SHRUNK"}
+
+
+def _offer_hosts(path: str, text: str) -> None:
+    with open(path + ".partial", "w") as f:
+        f.write(text.replace(",", "\n") + "\n")
+    os.replace(path + ".partial", path)
+
+
 def numpy_training(scenario: str = "plain", marker: str = ""):
     """SGD on a parameter vector whose gradient is allreduced every step.
 
     Scenarios: victims (RINGSYNC_TEST_VICTIM, comma-separated) = original ranks killed at step KILL_STEP (mid-allreduce: it submits
     its gradient first); 'commit' kills it inside commit(); 'second' also kills
     RINGSYNC_TEST_SECOND during the recovery (in a reset callback); 'exception' makes the
-    victim raise instead of dying."""
+    victim raise instead of dying; 'hosts' changes the discovered hosts (HOST_CHANGES)."""
     me = original_rank()
     rs.init()
     victims = [int(v) for v in os.environ.get("RINGSYNC_TEST_VICTIM", "-9").split(",")]
@@ -183,6 +194,9 @@ def numpy_training(scenario: str = "plain", marker: str = ""):
                     raise RuntimeError("a bug on rank %d" % me)
                 rs.allreduce_async(gradient(state.step, rs.rank()), name="g.%d" % state.step)
                 die("mid-allreduce at step %d" % state.step)
+            if scenario == "hosts" and rs.rank() == 0 and state.step in HOST_CHANGES:
+                _offer_hosts(os.environ["RINGSYNC_TEST_HOSTS_FILE"],
+                             os.environ[HOST_CHANGES[state.step]])
             g = rs.allreduce(gradient(state.step, rs.rank()), op=rs.Average,
                              name="g.%d" % state.step)
             state.w = state.w - 0.01 * g

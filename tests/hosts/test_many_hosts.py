@@ -151,3 +151,34 @@ def test_unavailable_says_why(monkeypatch):
     monkeypatch.setattr(netns.os, "geteuid", lambda: 0)
     monkeypatch.setattr(netns.shutil, "which", lambda tool: None if tool == "tc" else "/x")
     assert "`tc`" in netns.unavailable()
+
+
+def test_hosts_that_come_and_go(virtual_hosts, tmp_path):
+    """Host discovery (Horovod's --host-discovery-script): the job starts on host a with 2
+    ranks; when the script adds host b, 2 ranks start there at the next commit (4 ranks,
+    the state synced to them, no roll-back); when it drops b again, b's ranks leave and
+    the others go on (2 ranks). Parameters end identical and equal to the reference replay
+    of the sizes the steps ran at, with no step lost or repeated beyond one commit."""
+    from tests.faults import test_elastic as et
+    hosts = virtual_hosts(2, rate=None)
+    a, b = hosts.names
+    offered = tmp_path / "hosts.txt"
+    offered.write_text(f"{a}:2\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {offered}\n")
+    script.chmod(0o755)
+    result, records = et.run_job(
+        tmp_path, et.numpy_training, 2, args=("hosts",), hosts=hosts, slots=2,
+        RINGSYNC_ELASTIC_DISCOVERY_SCRIPT=script, RINGSYNC_ELASTIC_DISCOVERY_SECONDS=0,
+        RINGSYNC_TEST_HOSTS_FILE=offered, RINGSYNC_TEST_HOSTS_GROWN=f"{a}:2,{b}:2",
+        RINGSYNC_TEST_HOSTS_SHRUNK=f"{a}:2")
+    assert result.returncode == 0, result.report()
+    assert sorted(r["rank"] for r in records) == [0, 1], result.report()
+    sizes = records[0]["sizes"]
+    assert sizes == [2] * 8 + [4] * 8 + [2] * 8, (sizes, result.report())
+    for r in records:
+        assert r["w"] == records[0]["w"] and r["sizes"] == sizes, records
+        assert r["w"] == pytest.approx(r["reference"], rel=1e-12, abs=1e-12), r
+    assert 0 <= max(r["steps_run"] for r in records) - et.STEPS <= et.COMMIT_EVERY
+    assert "hosts added" in result.output and "leaving the job" in result.output, \
+        result.report()

@@ -146,3 +146,37 @@ def test_object_state_takes_horovods_positional_arguments():
     state.epoch = 5
     state.restore()
     assert state.epoch == 3
+
+
+def test_discovered_hosts_are_parsed_and_planned():
+    assert elastic.parse_hosts("a:2\n# comment\n\nb:3\nc\n") == {"a": 2, "b": 3, "c": 1}
+    with pytest.raises(ValueError, match="bad host line"):
+        elastic.parse_hosts("a:-1\n")
+    now = ["a", "a", "b", "b"]
+    plan = elastic.host_plan(now, {"a": 2, "b": 2})
+    assert (plan.leaving, plan.adding) == ([], {})
+    plan = elastic.host_plan(now, {"a": 2, "b": 2, "c": 2})
+    assert (plan.leaving, plan.adding) == ([], {"c": 2})
+    plan = elastic.host_plan(now, {"a": 2, "b": 2, "c": 2}, max_np=5)  # capped
+    assert plan.adding == {"c": 1}
+    plan = elastic.host_plan(now, {"a": 2})  # b went away: its ranks leave
+    assert (plan.leaving, plan.adding) == ([2, 3], {})
+    plan = elastic.host_plan(now, {"a": 1, "b": 3})  # fewer slots on a, more on b
+    assert (plan.leaving, plan.adding) == ([1], {"b": 1})
+
+
+def test_host_discovery_keeps_the_last_answer_when_the_script_fails(tmp_path, capsys):
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\ncat " + str(tmp_path / "hosts") + "\n")
+    script.chmod(0o755)
+    (tmp_path / "hosts").write_text("a:2\n")
+    found = elastic.HostDiscovery(str(script), interval=0)
+    assert found.poll() == {"a": 2}
+    (tmp_path / "hosts").unlink()  # cat fails now
+    assert found.poll() == {"a": 2}
+    assert "failed" in capsys.readouterr().err
+    slow = elastic.HostDiscovery(str(script), interval=3600)
+    (tmp_path / "hosts").write_text("b:1\n")
+    assert slow.poll() == {"b": 1}
+    (tmp_path / "hosts").write_text("c:1\n")
+    assert slow.poll() == {"b": 1}  # not due again yet

@@ -61,12 +61,40 @@ def test_oversubscribe_when_np_exceeds_local_cores(fake_mpi, capsys):
     assert "--oversubscribe" in dry_run(capsys, "-np", "5", "a.py")
 
 
+def oversubscribes_by_slot(command) -> bool:
+    """With hosts, oversubscription maps by slot (plain --oversubscribe would put every
+    rank on the first host)."""
+    return ("--oversubscribe" not in command and "--map-by" in command
+            and command[command.index("--map-by") + 1] == "slot:oversubscribe")
+
+
 def test_oversubscribe_counts_slots_of_listed_hosts(fake_mpi, capsys):
     command = dry_run(capsys, "-np", "4", "-H", "a:2,b:2", "a.py")
-    assert "--oversubscribe" not in command
+    assert "--oversubscribe" not in command and "--map-by" not in command
     assert command[command.index("-H") + 1] == "a:2,b:2"
-    assert "--oversubscribe" in dry_run(capsys, "-np", "5", "-H", "a:2,b:2", "a.py")
-    assert "--oversubscribe" in dry_run(capsys, "-np", "3", "-H", "a,b", "a.py")  # 1 slot each
+    assert oversubscribes_by_slot(dry_run(capsys, "-np", "5", "-H", "a:2,b:2", "a.py"))
+    assert oversubscribes_by_slot(dry_run(capsys, "-np", "3", "-H", "a,b", "a.py"))  # 1 slot each
+    # The user's own mapping wins.
+    command = dry_run(capsys, "-np", "5", "-H", "a:2,b:2", "--mpi-args=--map-by node", "a.py")
+    assert "slot:oversubscribe" not in command
+    assert command[-4:] == ["--map-by", "node", sys.executable, "a.py"]
+
+
+def test_mpi_args_and_discovery_options(fake_mpi, capsys, tmp_path):
+    command = dry_run(capsys, "-np", "2", "--mpi-args=--prtemca plm_ssh_agent '/a b/agent'",
+                      "a.py")
+    assert command[-5:] == ["--prtemca", "plm_ssh_agent", "/a b/agent", sys.executable, "a.py"]
+    script = tmp_path / "discover.sh"
+    command = dry_run(capsys, "-np", "2", "-H", "a:2,b:2", "--elastic",
+                      "--host-discovery-script", str(script), "a.py")
+    assert f"RINGSYNC_ELASTIC_DISCOVERY_SCRIPT={script}" in command
+    with pytest.raises(SystemExit):
+        launcher.parse_run_options(["-np", "2", "--host-discovery-script", str(script), "a.py"])
+    assert "only with --elastic" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        launcher.parse_run_options(["-np", "2", "--elastic", "--host-discovery-script",
+                                    str(script), "a.py"])
+    assert "-H or --hostfile" in capsys.readouterr().err
 
 
 def test_hostfile_passes_through_and_its_slots_count(fake_mpi, capsys, tmp_path):
@@ -75,7 +103,7 @@ def test_hostfile_passes_through_and_its_slots_count(fake_mpi, capsys, tmp_path)
     command = dry_run(capsys, "-np", "3", "--hostfile", str(hostfile), "a.py")
     assert command[command.index("--hostfile") + 1] == str(hostfile)
     assert "--oversubscribe" not in command
-    assert "--oversubscribe" in dry_run(capsys, "-np", "4", "--hostfile", str(hostfile), "a.py")
+    assert oversubscribes_by_slot(dry_run(capsys, "-np", "4", "--hostfile", str(hostfile), "a.py"))
 
 
 def test_root_gets_allow_run_as_root(fake_mpi, capsys, monkeypatch):
