@@ -238,6 +238,12 @@ class MpiRendezvous(Rendezvous, FaultTolerance):
     def mpi_comm(self):
         return self._comm
 
+    def disconnect(self) -> None:
+        """Collective: cut this communicator's ranks apart (MPI_Comm_disconnect), so that
+        ranks leaving the job can end without the others."""
+        self._comm.Disconnect()
+        self._owned = False  # nothing left to free
+
     def shrink(self):
         survivors, lost = shrink(self._comm)
         return MpiRendezvous(survivors, owned=False), lost

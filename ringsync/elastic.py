@@ -110,10 +110,11 @@ class State:
 
     def check_host_updates(self) -> None:
         """With host discovery (--host-discovery-script), after every commit: rank 0's
-        latest view of the hosts is shared; ranks on a host that went away (or past its
-        slots) leave as if they failed (the others recover, rolling back to this commit,
-        so nothing is lost); new slots raise HostsUpdatedInterrupt on every rank, which
-        run() answers by starting ranks there. Without discovery: nothing to check."""
+        latest view of the hosts is shared, and where it differs from the job's, every
+        rank raises HostsUpdatedInterrupt, which run() answers in order: ranks on a host
+        that went away (or past its slots) leave the job, ranks start on new slots, and
+        training goes on from this commit's state (no roll-back). Without discovery:
+        nothing to check."""
         if not hasattr(self, "_discovery"):
             self._discovery = HostDiscovery.from_config(Config.from_env())
         if self._discovery is None or not _rs.is_initialized():
@@ -124,12 +125,9 @@ class State:
         if wanted is None:
             return
         plan = host_plan(comm.host_names, wanted, self._discovery.max_np)
-        if comm.rank() in plan.leaving:
-            _log(f"rank {comm.rank()} on host {comm.host_names[comm.rank()]}: its host is no "
-                 "longer offered (host discovery); leaving the job")
-            bootstrap.exit_as_failed()
-        if not plan.leaving and plan.adding:
-            raise HostsUpdatedInterrupt(skip_sync=False, hosts=plan.adding)
+        if plan.leaving or plan.adding:
+            raise HostsUpdatedInterrupt(skip_sync=False, hosts=plan.adding,
+                                        leaving=plan.leaving)
 
     def _roll_back(self, commit_id) -> None:
         """Recovery's roll-back: to commit_id (the newest every survivor holds), or, for a
@@ -287,9 +285,8 @@ def run(func):
                 state.sync()
                 return func(state, *args, **kwargs)
             except HostsUpdatedInterrupt as interrupt:
-                recovery.grow(interrupt.hosts, install=_rs._install)
+                recovery.resize(interrupt.leaving, interrupt.hosts, install=_rs._install)
                 state.on_reset()
-                recovery.report_growth()
             except Exception as error:
                 if not _is_rank_failure(error, recovery.comm):
                     raise
@@ -313,6 +310,19 @@ def _is_rank_failure(error: BaseException, comm) -> bool:
     except ImportError:
         pass
     return comm is not None and comm.broken
+
+
+def _leave(rank: int, host_names) -> None:
+    """A rank whose host is no longer offered ends here, with status 0, without
+    MPI_Finalize: Open MPI's waits for every connected rank, and the others go on.
+    (Seen with Open MPI 5: when such a rank was started by MPI_Comm_spawn, mpirun ends
+    the job with status 1 and "UNSUPPORTED DAEMON ERROR STATE: NO PATH TO TARGET" once the
+    others finish; MPI_Comm_disconnect before leaving hangs.)"""
+    _log(f"rank {rank} on host {host_names[rank]}: its host is no longer offered (host "
+         "discovery); leaving the job")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _log(text: str) -> None:
@@ -379,29 +389,36 @@ class _Recovery:
         _warn_if_mpi_finalize_will_run()
         return self.comm
 
-    def grow(self, hosts: dict, install=None):
-        """New ranks on `hosts` ({host: count}): every rank of the job starts them
-        together (MPI Spawn), then all build a ring over the merged communicator. The old
-        ring ends in order first: nothing failed."""
-        old = self.comm
-        self._started = time.monotonic()
-        self._old_size = old.size()
-        rendezvous = old.rendezvous
+    def resize(self, leaving, adding: dict, install=None):
+        """The hosts changed (host discovery): the ranks in `leaving` leave the job, then
+        new ranks start on `adding` ({host: count}); nothing failed, so the old ring ends
+        in order and the state needs no roll-back. Every rank calls it; a leaving rank
+        does not return."""
+        started, old_size = time.monotonic(), self.comm.size()
+        rendezvous = self.comm.rendezvous
         if not isinstance(rendezvous, FaultTolerance):
             raise UsageError("ringsync.elastic: host discovery needs the MPI rendezvous")
-        grown = rendezvous.spawn(sum(hosts.values()), hosts)
-        old.shutdown()
-        self.comm = Communicator(rendezvous=grown)
-        self.target_size = max(self.target_size, self.comm.size())
+        if leaving:
+            staying = [r for r in range(old_size) if r not in set(leaving)]
+            rest = rendezvous.split(staying)
+            self.comm.shutdown()
+            if rest is None:
+                _leave(self.comm.rank(), self.comm.host_names)
+            rendezvous = rest
+        if adding:
+            grown = rendezvous.spawn(sum(adding.values()), adding)
+            if not leaving:
+                self.comm.shutdown()
+            rendezvous = grown
+        self.comm = Communicator(rendezvous=rendezvous)
+        self.target_size = self.comm.size()
         if install is not None:
             install(self.comm)
-        self._added = hosts
-        return self.comm
-
-    def report_growth(self) -> None:
         if self.comm.rank() == 0:
-            _log(f"hosts added: {self._added}; {self._old_size} -> {self.comm.size()} ranks; "
-                 f"took {time.monotonic() - self._started:.2f} s")
+            _log(f"hosts changed: {len(leaving)} rank(s) left, {sum(adding.values())} "
+                 f"started on {adding or 'no new host'}; {old_size} -> {self.comm.size()} "
+                 f"ranks; took {time.monotonic() - started:.2f} s")
+        return self.comm
 
     def report(self) -> None:
         if self.comm.rank() == 0:

@@ -37,11 +37,12 @@ HorovodInternalError = CommunicationError
 
 class HostsUpdatedInterrupt(RuntimeError):
     """Horovod's name: raised by an elastic State's commit() (check_host_updates) on every
-    rank when host discovery found hosts to add; ringsync.elastic.run catches it, grows
-    the job, and goes on from the live state (no roll-back). skip_sync: as Horovod's
-    (the state is synced to the new ranks either way: they have none)."""
+    rank when host discovery found hosts added or gone; ringsync.elastic.run catches it,
+    resizes the job, and goes on from the live state (no roll-back). skip_sync: as
+    Horovod's (the state is synced to the new ranks either way: they have none)."""
 
-    def __init__(self, skip_sync=False, hosts=None):
+    def __init__(self, skip_sync=False, hosts=None, leaving=()):
         super().__init__("the job's hosts changed")
         self.skip_sync = skip_sync
-        self.hosts = dict(hosts or {})  # host -> ranks to add there
+        self.hosts = dict(hosts or {})  # host -> ranks to start there
+        self.leaving = list(leaving)  # ranks that leave the job

@@ -172,7 +172,10 @@ def test_hosts_that_come_and_go(virtual_hosts, tmp_path):
         RINGSYNC_ELASTIC_DISCOVERY_SCRIPT=script, RINGSYNC_ELASTIC_DISCOVERY_SECONDS=0,
         RINGSYNC_TEST_HOSTS_FILE=offered, RINGSYNC_TEST_HOSTS_GROWN=f"{a}:2,{b}:2",
         RINGSYNC_TEST_HOSTS_SHRUNK=f"{a}:2")
-    assert result.returncode == 0, result.report()
+    assert all(outcome == "ok" for outcome in result.outcomes.values()), result.report()
+    # Open MPI 5's mpirun ends such a job with status 1 (PRRTE: "NO PATH TO TARGET") after
+    # ranks it spawned left without MPI_Finalize (ringsync.elastic._leave says why).
+    assert result.returncode == 0 or "NO PATH TO TARGET" in result.output, result.report()
     assert sorted(r["rank"] for r in records) == [0, 1], result.report()
     sizes = records[0]["sizes"]
     assert sizes == [2] * 8 + [4] * 8 + [2] * 8, (sizes, result.report())
@@ -180,5 +183,5 @@ def test_hosts_that_come_and_go(virtual_hosts, tmp_path):
         assert r["w"] == records[0]["w"] and r["sizes"] == sizes, records
         assert r["w"] == pytest.approx(r["reference"], rel=1e-12, abs=1e-12), r
     assert 0 <= max(r["steps_run"] for r in records) - et.STEPS <= et.COMMIT_EVERY
-    assert "hosts added" in result.output and "leaving the job" in result.output, \
+    assert "hosts changed" in result.output and "leaving the job" in result.output, \
         result.report()
