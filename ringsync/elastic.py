@@ -313,16 +313,16 @@ def _is_rank_failure(error: BaseException, comm) -> bool:
 
 
 def _leave(rank: int, host_names) -> None:
-    """A rank whose host is no longer offered ends here, with status 0, without
-    MPI_Finalize: Open MPI's waits for every connected rank, and the others go on.
-    (Seen with Open MPI 5: when such a rank was started by MPI_Comm_spawn, mpirun ends
-    the job with status 1 and "UNSUPPORTED DAEMON ERROR STATE: NO PATH TO TARGET" once the
-    others finish; MPI_Comm_disconnect before leaving hangs.)"""
+    """A rank whose host is no longer offered ends here, once the others have split away
+    from it. Not through MPI_Finalize: Open MPI's waits for every connected rank (hangs
+    while the others go on, as does MPI_Comm_disconnect), and a plain exit without it is
+    "improper" and can make mpirun end the whole job. Killed, it is a failure that MPI's
+    fault tolerance expects. (Seen with Open MPI 5: when such a rank was started by
+    MPI_Comm_spawn, mpirun still ends the job with status 137 and "UNSUPPORTED DAEMON
+    ERROR STATE: NO PATH TO TARGET" after the others finish well.)"""
     _log(f"rank {rank} on host {host_names[rank]}: its host is no longer offered (host "
          "discovery); leaving the job")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    bootstrap.exit_as_failed(0)
 
 
 def _log(text: str) -> None:
