@@ -11,6 +11,7 @@ that every other host reached. Two exchanges through the rendezvous, only in tha
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import select
 import socket
@@ -89,7 +90,7 @@ def _reachable(targets: Sequence[Tuple[str, int]]) -> List[bool]:
             continue
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         s.setblocking(False)
-        if s.connect_ex((address, port)) in (0, 115):  # connected, or EINPROGRESS
+        if s.connect_ex((address, port)) in (0, errno.EINPROGRESS):
             pending[s] = i
         else:
             s.close()

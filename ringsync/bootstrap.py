@@ -328,11 +328,11 @@ def spawn_replacements(comm, count: int, hosts=None):
     argv = list(getattr(sys, "orig_argv", [sys.executable] + sys.argv))
     places = list((hosts or {None: count}).items())
     infos = []
-    for host, _ in places:
+    for host, ranks in places:
         infos.append(MPI.Info.Create())
         infos[-1].Set("map_by", ":OVERSUBSCRIBE")  # they may land where lost ranks ran
         if host is not None:
-            infos[-1].Set("host", f"{host}:{dict(places)[host]}")
+            infos[-1].Set("host", f"{host}:{ranks}")
     inter = comm.Spawn_multiple([sys.executable] * len(places), [argv[1:]] * len(places),
                                 [n for _, n in places], infos, root=0)
     for info in infos:

@@ -146,13 +146,12 @@ class Config:
              "`RINGSYNC_HIERARCHICAL_BYTES` on; `on` (or `1`, as Horovod's "
              "`HOROVOD_HIERARCHICAL_ALLREDUCE=1`): every allreduce; `off` (or `0`): never. "
              "Other layouts always take the ring. Read case-insensitively")
-    # Why 1 MiB (reasoned, not measured across real hosts: there were none to measure on).
-    # Per rank the hierarchical allreduce moves the same bytes as the ring, in fewer steps,
-    # and takes load off the links between hosts; but it runs three passes one after the
-    # other, each waiting for the slowest rank of its group, and its cross-host messages
-    # are S/(L*H) bytes. Below about 1 MiB those messages are tens of KiB, latency bound
-    # either way, so the link bound buys little; auto keeps the ring there, from the same
-    # size as RINGSYNC_STAGED_BYTES (where shared-memory staging starts to pay).
+    # Why 1 MiB (reasoned; not swept). Per rank the hierarchical allreduce moves the same
+    # bytes as the ring and takes load off the links between hosts, but its cross-host
+    # messages are S/(L*H) bytes: below about 1 MiB they are tens of KiB, latency bound
+    # either way. Measured across 2 namespace hosts x 2 ranks at 2 Gbit/s
+    # (benchmarks/hosts_allreduce.py): at 1 MiB already 1.2x the flat ring, so a lower
+    # threshold may pay; the same size as RINGSYNC_STAGED_BYTES until a sweep says more.
     hierarchical_bytes: int = _setting(
         1 << 20, "RINGSYNC_HIERARCHICAL_BYTES", unit="bytes", maximum=INT64_MAX,
         zero="every allreduce above `RINGSYNC_SMALL_ALLREDUCE_BYTES`", agreed=True,

@@ -31,7 +31,6 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import time
 from typing import Dict, List, Optional, Sequence, Union
 
 NAME_PREFIX = "rsh"  # namespace (= host) names: rsh<owner pid>x<instance>h<i>

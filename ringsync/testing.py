@@ -42,7 +42,8 @@ import time
 import traceback
 
 from ringsync import launcher
-from ringsync.netns import VirtualHosts, unavailable as virtual_hosts_unavailable
+# Offered here to users' tests (ringsync.testing is the public module).
+from ringsync.netns import VirtualHosts, unavailable as virtual_hosts_unavailable  # noqa: F401
 
 OK = "ok"
 MISSING = "missing"
