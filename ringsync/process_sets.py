@@ -252,3 +252,10 @@ def communicator_of(ps: ProcessSet) -> Communicator:
         raise UsageError(f"ringsync: rank {ps._world_rank} is not a member of the process "
                          f"set given: {ps}")
     return ps._comm
+
+
+def by_id(process_set_id: int) -> Optional[ProcessSet]:
+    """The registered set with this id (0: the global set), or None."""
+    if process_set_id == 0:
+        return global_process_set
+    return _registry_or_raise("process set lookup").sets.get(process_set_id)

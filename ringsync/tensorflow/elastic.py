@@ -9,8 +9,9 @@
 """
 from ringsync.elastic import (HostsUpdatedInterrupt, ObjectState, State,  # noqa: F401
                               run)  # (the module's API)
+from ringsync.errors import HorovodInternalError  # noqa: F401
 
-from . import broadcast_variables
+from .functions import broadcast_variables
 
 
 class TensorFlowKerasState(ObjectState):
@@ -18,7 +19,11 @@ class TensorFlowKerasState(ObjectState):
     count; built here if the optimizer has not been yet, so that a replacement rank has
     the same variables as the survivors), and any keyword values."""
 
-    def __init__(self, model, optimizer=None, **kwargs):
+    def __init__(self, model, optimizer=None, backend=None, **kwargs):
+        """backend: accepted for Horovod's signature (Keras 3 has one)."""
+        if not model.built:
+            raise ValueError("TensorFlowKerasState: the model must be built (call it on a "
+                             "batch, or give it an Input) before its state is kept")
         self.model = model
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
         super().__init__(**kwargs)
@@ -44,4 +49,28 @@ class TensorFlowKerasState(ObjectState):
 
     def broadcast_state(self, root_rank: int) -> None:
         broadcast_variables(self._variables(), root_rank)
+        super().broadcast_state(root_rank)
+
+
+class TensorFlowState(ObjectState):
+    """A list of tf.Variables (TensorFlow 2 has no global collection to default to) and
+    any keyword values. session: TensorFlow 1's, accepted for Horovod's signature."""
+
+    def __init__(self, variables=None, session=None, **kwargs):
+        if variables is None:
+            raise ValueError("TensorFlowState: give the variables to keep (TensorFlow 2 has "
+                             "no global variables collection)")
+        self.variables = list(variables)
+        super().__init__(**kwargs)
+
+    def snapshot(self):
+        return {"variables": [v.numpy() for v in self.variables], "objects": super().snapshot()}
+
+    def load_snapshot(self, snapshot) -> None:
+        for variable, value in zip(self.variables, snapshot["variables"]):
+            variable.assign(value)
+        super().load_snapshot(snapshot["objects"])
+
+    def broadcast_state(self, root_rank: int) -> None:
+        broadcast_variables(self.variables, root_rank)
         super().broadcast_state(root_rank)

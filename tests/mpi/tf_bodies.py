@@ -69,14 +69,16 @@ def gradients_through_collectives():
         y = hvd.allgather(rows, name="g.gather")
         idx = tf.cast(tf.range(tf.shape(y)[0]), tf.float64)[:, None]
         loss = tf.reduce_sum(y * idx * (me + 1))
+    # Horovod's rule: the ranks' upstream gradients averaged, then this rank's rows.
     start = sum(r + 1 for r in range(me))
-    expected = np.arange(start, start + me + 1)[:, None] * sum(range(1, size + 1)) * np.ones((1, 2))
+    mean_weight = sum(range(1, size + 1)) / size
+    expected = np.arange(start, start + me + 1)[:, None] * mean_weight * np.ones((1, 2))
     assert np.allclose(tape.gradient(loss, rows).numpy(), expected)
     b = tf.Variable(tf.ones([3], dtype=tf.float64))
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(hvd.broadcast(b, root_rank=size - 1, name="g.bcast") * (me + 1))
     grad = tape.gradient(loss, b).numpy()
-    assert np.allclose(grad, sum(range(1, size + 1)) if me == size - 1 else 0.0)
+    assert np.allclose(grad, sum(range(1, size + 1)) / size if me == size - 1 else 0.0)
     hvd.shutdown()
 
 

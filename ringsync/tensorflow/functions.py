@@ -1,0 +1,50 @@
+"""Variables and Python objects between ranks (horovod.tensorflow.functions)."""
+from ringsync import objects
+from ringsync.errors import UsageError
+
+from .mpi_ops import PS, _name, broadcast, broadcast_
+
+
+def broadcast_variables(variables, root_rank, process_set=PS, inplace=False):
+    """Assign root_rank's values to every variable, on every rank. inplace: through
+    broadcast_ (the same result: both assign)."""
+    variables = list(variables)
+    if inplace:
+        broadcast_(variables, root_rank, process_set=process_set)
+        return
+    for v in variables:
+        # Unnamed: eagerly the core matches calls by order and checks shapes and dtypes,
+        # so a rank whose model differs gets an error rather than a stall.
+        v.assign(broadcast(v, root_rank, name=_name(None, "broadcast_variables"),
+                           process_set=process_set))
+
+
+def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=PS):
+    """root_rank's obj (anything picklable) on every rank. session: TensorFlow 1's,
+    accepted for Horovod's signature and not needed."""
+    return objects.broadcast_object(obj, root_rank, name or type(obj).__name__,
+                                    process_set=process_set)
+
+
+def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=PS):
+    """A function obj -> root_rank's obj (Horovod builds its graph once; here nothing
+    needs building)."""
+    def broadcast_one(obj):
+        return broadcast_object(obj, root_rank, session, name, process_set)
+    return broadcast_one
+
+
+def allgather_object(obj, session=None, name=None, process_set=PS):
+    """A list of every rank's obj (picklable), in rank order."""
+    return objects.allgather_object(obj, name or type(obj).__name__, process_set=process_set)
+
+
+def broadcast_global_variables(root_rank):
+    """TensorFlow 1's global variables collection does not exist in TensorFlow 2."""
+    raise UsageError("ringsync.tensorflow.broadcast_global_variables: TensorFlow 2 has no "
+                     "global variables collection; use broadcast_variables(model.variables, "
+                     "root_rank) (Keras: BroadcastGlobalVariablesCallback)")
+
+
+__all__ = ["broadcast_variables", "broadcast_object", "broadcast_object_fn",
+           "allgather_object", "broadcast_global_variables"]

@@ -1,0 +1,25 @@
+"""horovod.tensorflow's API, called as a Horovod user calls it (tests/mpi/horovod_tf_bodies.py,
+several bodies per job: see tests/mpi/in_order.py)."""
+import pytest
+
+pytest.importorskip("tensorflow")
+
+from ringsync.testing import assert_mpi_ok  # noqa: E402
+
+from . import in_order  # noqa: E402
+
+pytestmark = pytest.mark.requires_mpirun
+
+MODULE = "tests.mpi.horovod_tf_bodies"
+ENV = {"RINGSYNC_TIMEOUT_SECONDS": "60", "OMP_NUM_THREADS": "1", "TF_NUM_INTEROP_THREADS": "2",
+       "TF_NUM_INTRAOP_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
+BODIES = ["collectives_as_horovod_calls_them", "collectives_inside_tf_function",
+          "gradients_by_horovods_rules", "errors_leave_the_next_call_working",
+          "tape_and_optimizer_arguments", "process_sets_in_tensorflow",
+          "sync_batch_norm_uses_the_global_batch"]
+
+
+@pytest.mark.parametrize("np", [1, 3])
+def test_horovod_tensorflow_api(np):
+    assert_mpi_ok(in_order.TARGET, np=np, timeout=400, env=ENV,
+                  args=in_order.args_for(MODULE, BODIES))
