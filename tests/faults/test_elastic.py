@@ -529,6 +529,68 @@ def test_keras_state_after_a_kill(tmp_path):
         assert r["sizes"][:4] == [3] * 4 and set(r["sizes"][4:]) == {2}, r["sizes"]
 
 
+KERAS_EPOCHS = 3
+KERAS_STEPS = 6  # batches per epoch on every rank
+
+
+def keras_fit_training(marker: str = ""):
+    """Horovod's elastic Keras recipe, as its example writes it: model.fit with the
+    DistributedOptimizer, KerasState and the three state callbacks inside
+    hvd.elastic.run; the victim dies at the start of a chosen batch."""
+    import keras
+    import ringsync.tensorflow.keras as hvd
+    me = original_rank()
+    hvd.init()
+    victims = [int(v) for v in os.environ.get("RINGSYNC_TEST_VICTIM", "-9").split(",")]
+    kill_batch = int(os.environ.get("RINGSYNC_TEST_KILL_STEP", "8"))
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(3 * 8 * KERAS_STEPS, 6)).astype("float32")
+    y = ((x[:, :3].sum(1) > 0).astype("int64") + (x[:, 3] > 1)).astype("int64")
+    model = _keras_model(100 + me if me >= 0 else 999)  # differs until the state syncs
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    state = hvd.elastic.KerasState(model, batch=0, epoch=0)
+    resets = []
+    state.register_reset_callbacks([lambda: resets.append(hvd.size())])
+    batches = [0]
+
+    class KillAt(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            batches[0] += 1
+            if me in victims and batches[0] == kill_batch:
+                die("at batch %d" % batches[0])
+
+    callbacks = [hvd.elastic.CommitStateCallback(state),
+                 hvd.elastic.UpdateBatchStateCallback(state),
+                 hvd.elastic.UpdateEpochStateCallback(state), KillAt()]
+
+    @hvd.elastic.run
+    def train(state):
+        mine = slice(hvd.rank(), None, hvd.size())
+        model.fit(x[mine], y[mine], batch_size=8, steps_per_epoch=KERAS_STEPS,
+                  epochs=KERAS_EPOCHS - state.epoch, callbacks=callbacks, verbose=0,
+                  shuffle=False)
+
+    train(state)
+    params = [v.numpy().reshape(-1).tolist() for v in model.variables]
+    optimizer = [np.asarray(v).reshape(-1).tolist() for v in model.optimizer.variables]
+    write_record({"original_rank": me, "rank": hvd.rank(), "size": hvd.size(),
+                  "params": params, "optimizer": optimizer, "epoch": state.epoch,
+                  "resets": resets, "loss": float(model.evaluate(x, y, verbose=0))})
+    hvd.shutdown()
+
+
+def test_keras_fit_survives_a_kill(tmp_path):
+    result, records = run_job(tmp_path, keras_fit_training, 3, RINGSYNC_TEST_VICTIM=1,
+                              RINGSYNC_TEST_KILL_STEP=8)
+    assert_survivors_agree(result, records, 2)
+    for r in records:
+        assert r["params"] == records[0]["params"], "weights differ between survivors"
+        assert r["optimizer"] == records[0]["optimizer"], "optimizer states differ"
+        assert r["epoch"] == KERAS_EPOCHS and r["resets"] == [2], r
+        assert np.isfinite(r["loss"]) and r["loss"] < 1.0, r["loss"]
+
+
 # --------------------------------------------------------------------------- the example
 
 

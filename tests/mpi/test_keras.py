@@ -1,38 +1,46 @@
-"""Keras 3: model.fit with DistributedOptimizer, callbacks, saving, under several ranks.
+"""Keras 3: model.fit with DistributedOptimizer, callbacks, saving, and horovod.tensorflow.keras's
+API as Horovod users call it, under several ranks.
 
-The rank code is in tests/mpi/keras_bodies.py (BODY below)."""
+The rank code is in tests/mpi/keras_bodies.py (MODULE below); the bodies of one rank count
+run one after another in one job (tests/mpi/in_order.py): importing TensorFlow takes seconds."""
+import os
+
 import pytest
 
 pytest.importorskip("tensorflow")
 
 from ringsync.testing import assert_mpi_ok  # noqa: E402
 
+from . import in_order  # noqa: E402
+
 pytestmark = pytest.mark.requires_mpirun
 
-BODY = "tests.mpi.keras_bodies:"
+MODULE = "tests.mpi.keras_bodies"
 ENV = {"RINGSYNC_TIMEOUT_SECONDS": "60", "OMP_NUM_THREADS": "1", "TF_NUM_INTEROP_THREADS": "2",
        "TF_NUM_INTRAOP_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
+# (dtype, backward passes per step, jit_compile, average_aggregated_gradients)
+FITS = [("float32", "1", "0", "0"), ("float64", "1", "0", "0"), ("float32", "2", "0", "0"),
+        ("float32", "2", "0", "1"), ("float32", "1", "1", "0")]
 
 
-@pytest.mark.parametrize("dtype,passes,jit", [("float32", "1", "0"), ("float64", "1", "0"),
-                                              ("float32", "2", "0"), ("float32", "1", "1")])
-def test_fit_matches_one_process(dtype, passes, jit):
-    assert_mpi_ok(BODY + "fit_matches_one_process", np=2, timeout=240, env=ENV,
-                  args=(dtype, passes, jit))
+def test_fit_matches_one_process():
+    assert_mpi_ok(in_order.TARGET, np=2, timeout=400, env=ENV,
+                  args=in_order.args_for(MODULE, ["fit_matches_one_process"], FITS))
 
 
 @pytest.mark.parametrize("np", [1, 2])
-def test_callbacks(np):
-    assert_mpi_ok(BODY + "callbacks_do_what_their_names_say", np=np, timeout=240, env=ENV)
+def test_callbacks_saving_and_horovods_keras_api(np, tmp_path):
+    assert_mpi_ok(in_order.TARGET, np=np, timeout=400,
+                  env=dict(ENV, RINGSYNC_TEST_DIR=str(tmp_path)),
+                  args=in_order.args_for(MODULE, ["callbacks_do_what_their_names_say",
+                                                  "save_and_load_a_wrapped_model",
+                                                  "horovod_keras_api"]))
 
 
-def test_save_and_load(tmp_path):
-    assert_mpi_ok(BODY + "save_and_load_a_wrapped_model", np=2, timeout=240,
-                  env=dict(ENV, RINGSYNC_TEST_DIR=str(tmp_path)))
+def _example(name):
+    return os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "examples", name))
 
 
-@pytest.mark.parametrize("example", ["keras_digits.py", "tf_gradient_tape_digits.py"])
-def test_digits_examples_reach_95_percent(example):
-    import os
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", example)
-    assert_mpi_ok(os.path.abspath(path), np=2, timeout=300, env=ENV, args=("--check",))
+@pytest.mark.parametrize("example", ["tensorflow2_keras_mnist.py", "tensorflow2_mnist.py"])
+def test_horovods_tensorflow2_examples_learn(example):
+    assert_mpi_ok(_example(example), np=2, timeout=300, env=ENV, args=("--check",))
