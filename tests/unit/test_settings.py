@@ -146,8 +146,10 @@ def test_doctor_prints_the_settings(monkeypatch, capsys):
 def test_exports_follow_the_settings_list(monkeypatch):
     environ = {"RINGSYNC_ELASTIC_MIN_NP": "2", "RINGSYNC_TEST_DIR": "/tmp/x",
                "RINGSYNC_FUSION_THRESHOLD": "1", "PATH": "/bin", "OTHER": "y"}
+    # Settings first (Config's order), then other RINGSYNC_*, then the rest, sorted.
     assert launcher.exported_variables(environ) == [
-        "RINGSYNC_FUSION_THRESHOLD", "RINGSYNC_ELASTIC_MIN_NP", "RINGSYNC_TEST_DIR", "PATH"]
+        "RINGSYNC_FUSION_THRESHOLD", "RINGSYNC_ELASTIC_MIN_NP", "RINGSYNC_TEST_DIR", "OTHER",
+        "PATH"]
     options = launcher.RunOptions(np=2, program=["a.py"], elastic=True, min_np=2, respawn=True)
     names = {f.name: s.env for f, s in setting_fields()}
     assert launcher.elastic_settings(options) == {names["elastic_min_np"]: "2",
