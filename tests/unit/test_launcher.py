@@ -70,13 +70,14 @@ def oversubscribes_by_slot(command) -> bool:
 
 def test_oversubscribe_counts_slots_of_listed_hosts(fake_mpi, capsys):
     command = dry_run(capsys, "-np", "4", "-H", "a:2,b:2", "a.py")
-    assert "--oversubscribe" not in command and "--map-by" not in command
+    assert "--oversubscribe" not in command and not oversubscribes_by_slot(command)
+    assert command[command.index("--map-by") + 1] == "slot"  # horovodrun's placement
     assert command[command.index("-H") + 1] == "a:2,b:2"
     assert oversubscribes_by_slot(dry_run(capsys, "-np", "5", "-H", "a:2,b:2", "a.py"))
     assert oversubscribes_by_slot(dry_run(capsys, "-np", "3", "-H", "a,b", "a.py"))  # 1 slot each
     # The user's own mapping wins.
     command = dry_run(capsys, "-np", "5", "-H", "a:2,b:2", "--mpi-args=--map-by node", "a.py")
-    assert "slot:oversubscribe" not in command
+    assert "slot:oversubscribe" not in command and command.count("--map-by") == 1
     assert command[-4:] == ["--map-by", "node", sys.executable, "a.py"]
 
 
@@ -161,7 +162,8 @@ def test_no_mpirun_is_a_clear_error(monkeypatch, capsys):
 
 def test_verbose_prints_command_and_settings(fake_mpi, capsys, monkeypatch):
     launched = []
-    monkeypatch.setattr(launcher, "run_forwarding_signals", lambda cmd: launched.append(cmd) or 0)
+    monkeypatch.setattr(launcher, "run_forwarding_signals",
+                        lambda cmd, output=None: launched.append(cmd) or 0)
     monkeypatch.setenv("RINGSYNC_TIMEOUT_SECONDS", "30")
     assert launcher.main(["run", "-np", "2", "--verbose", "a.py"]) == 0
     err = capsys.readouterr().err
