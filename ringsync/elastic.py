@@ -30,7 +30,7 @@ from typing import Callable, Iterable, List
 import ringsync as _rs
 
 from . import bootstrap
-from .config import Config
+from .config import Config, log_enabled
 from ._core import Communicator
 from .errors import CommunicationError, HostsUpdatedInterrupt, UsageError
 from .objects import broadcast_object
@@ -326,14 +326,17 @@ def _leave(rank: int, host_names) -> None:
     bootstrap.exit_as_failed(0)
 
 
-def _log(text: str) -> None:
+def _log(text: str, level: str = "warning") -> None:
+    """A recovery message on stderr, unless RINGSYNC_LOG_LEVEL is above ``level``."""
+    if not log_enabled(level):
+        return
     sys.stderr.write(f"ringsync.elastic: {text}\n")
     sys.stderr.flush()
 
 
 def _end_job(text: str) -> None:
     """An orderly end with a non-zero status, which mpirun takes as the end of the job."""
-    _log(text)
+    _log(text, "error")
     sys.stdout.flush()
     os._exit(1)
 

@@ -2,10 +2,18 @@
 
 ``ringsync run -np N [options] [--] program [args...]``
     builds the command line of the installed ``mpirun`` and runs it, returning mpirun's
-    exit status.
+    exit status. As horovodrun: the whole environment is exported to the ranks (but
+    is_exportable's exceptions), output lines are tagged with the rank, ranks are placed
+    with ``--bind-to none --map-by slot``, and horovodrun's options are taken: those that
+    set a ringsync setting become ``-x RINGSYNC_X=value`` (HOROVODRUN_SETTINGS), the
+    others act on the command (ssh port and identity, output files, timestamps, binding,
+    ``--check-build``, ``--config-file``: horovodrun's YAML, through parse_config_yaml),
+    and those with no meaning here are accepted and reported as ignored (IgnoredAction).
+    The README's "Launching" lists them all.
 ``ringsync doctor``
     reports the ringsync, native core, MPI and framework versions this machine has, and
-    every ringsync setting: its value and where it comes from.
+    every ringsync setting: its value and where it comes from (a HOROVOD_* alias named).
+    Frameworks are imported in a child process whose stderr is dropped.
 
 Signals. mpirun runs in a session of its own, so the terminal's signals reach only the
 launcher, which passes them on; and on Linux mpirun cannot outlive the launcher:
