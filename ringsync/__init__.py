@@ -296,12 +296,15 @@ def _owner(handle) -> Communicator:
 
 
 def start_timeline(file_path, mark_cycles=False):
-    """Write a Chrome-trace JSON timeline of every tensor's phases (open it in Perfetto).
-    mark_cycles is accepted for Horovod's signature: the engine's cycles are not marked."""
-    _comm().start_timeline(file_path)
+    """Record a Chrome-trace JSON timeline of every rank's tensors (open it in Perfetto),
+    written as one file to rank 0's file_path at stop_timeline() or shutdown(). Call it on
+    every rank, as stop_timeline(). mark_cycles: mark the start of each negotiation round
+    (instant events named CYCLE_START)."""
+    _comm().start_timeline(file_path, mark_cycles)
 
 
 def stop_timeline():
+    """Collective: every rank calls it; rank 0 writes the timeline file."""
     _comm().stop_timeline()
 
 

@@ -19,6 +19,7 @@ from ._native import lib
 from ._ring import NativeRing
 from ._grouped import GroupedCollectives
 from ._submit import Handle, PreparedAllreduce, Submitter, make_request
+from ._timeline import Timeline
 from .config import Config
 from .errors import UsageError
 from .ops import ReduceOp, as_op
@@ -107,6 +108,7 @@ class Communicator(GroupedCollectives):
         self._name = _Names(self._rank)
         self.world_ranks = list(world_ranks or range(self._size))
         self._ring_rank = {world: mine for mine, world in enumerate(self.world_ranks)}
+        self._timeline = Timeline(self)
         if self.config.timeline:
             self.start_timeline(self.config.timeline)
 
@@ -117,6 +119,7 @@ class Communicator(GroupedCollectives):
         healthy rank gets here, so that no rank's exit looks like a failure to a peer."""
         if self.closed:
             return
+        self._timeline.stop()  # (collective, as shutdown itself)
         self._ring.shutdown()
         self._submitter.orphans.clear()  # the engine's thread is joined: nothing in use
         self._ring.rendezvous.close()
@@ -126,6 +129,7 @@ class Communicator(GroupedCollectives):
         the rendezvous stays open for elastic recovery (rendezvous.FaultTolerance)."""
         self._ring.abort(reason)
         self._submitter.orphans.clear()
+        self._timeline.stop(gather=False)
 
     @property
     def transport(self) -> str:
@@ -355,9 +359,13 @@ class Communicator(GroupedCollectives):
         return self.synchronize(self._submit_taking(
             [request], lambda results: self.world_ranks[results[0][1]], "join"))
 
-    def start_timeline(self, path: str):
-        """Write a Chrome-trace timeline (open it in Perfetto) of every tensor's phases."""
-        self._ring.start_timeline(path)
+    def start_timeline(self, path: str, mark_cycles: bool = False):
+        """Record a Chrome-trace timeline (open it in Perfetto) of every tensor's phases on
+        every rank, written to ``path`` as one file by rank 0 at stop_timeline() or
+        shutdown() (see ringsync/_timeline.py). mark_cycles (or
+        RINGSYNC_TIMELINE_MARK_CYCLES=1): mark the start of each negotiation round."""
+        self._timeline.start(path, mark_cycles or bool(self.config.timeline_mark_cycles))
 
     def stop_timeline(self):
-        self._ring.stop_timeline()
+        """Collective: every rank stops, and rank 0 writes the file."""
+        self._timeline.stop()

@@ -12,7 +12,7 @@ import socket
 
 from . import addresses, bootstrap
 from ._native import ffi, lib
-from .config import Config, hierarchical_mode
+from .config import LOG_LEVELS, Config, hierarchical_mode, log_enabled
 from .errors import CommunicationError, UsageError
 from .rendezvous import Rendezvous
 
@@ -78,10 +78,13 @@ class NativeRing:
     def _choice_error(self):
         """None, or a usage error for a setting that is none of its choices."""
         text = self.config.hierarchical_allreduce
-        if hierarchical_mode(text) in _HIERARCHICAL_MODES:
-            return None
-        return ("usage", f"rank {self.rank}: RINGSYNC_HIERARCHICAL_ALLREDUCE={text!r} is not "
-                f"one of auto, on, off, 1, 0")
+        if hierarchical_mode(text) not in _HIERARCHICAL_MODES:
+            return ("usage", f"rank {self.rank}: RINGSYNC_HIERARCHICAL_ALLREDUCE={text!r} is "
+                    f"not one of auto, on, off, 1, 0")
+        if self.config.log_level.lower() not in LOG_LEVELS:
+            return ("usage", f"rank {self.rank}: RINGSYNC_LOG_LEVEL={self.config.log_level!r} "
+                    f"is not one of {', '.join(LOG_LEVELS)}")
+        return None
 
     def _spin_seconds(self) -> float:
         """Spinning pays only where the ranks' threads need not share cores: on 2 cores
@@ -138,7 +141,9 @@ class NativeRing:
         cfg = ffi.new("rs_engine_config_t *", {
             "fusion_threshold_bytes": self.config.fusion_threshold,
             "cycle_time_ms": self.config.cycle_time_ms,
-            "stall_check_seconds": self.config.stall_check_seconds,
+            # Stall reports are warnings: RINGSYNC_LOG_LEVEL=error or fatal silences them.
+            "stall_check_seconds": self.config.stall_check_seconds
+            if log_enabled("warning", {"RINGSYNC_LOG_LEVEL": self.config.log_level}) else 0.0,
             "cache_capacity": self.config.cache_capacity,
             "lane_spin_seconds": self._lane_spin_seconds(),
             "lane_max_bytes": self.config.lane_bytes,
@@ -217,8 +222,9 @@ class NativeRing:
             lib.rs_comm_destroy(self.c)
             self.c = ffi.NULL
 
-    def start_timeline(self, path):
-        if lib.rs_engine_start_timeline(self.engine, str(path).encode()) != lib.RS_OK:
+    def start_timeline(self, path, mark_cycles=False):
+        if lib.rs_engine_start_timeline(self.engine, str(path).encode(),
+                                        1 if mark_cycles else 0) != lib.RS_OK:
             detail = ffi.string(lib.rs_engine_last_error(self.engine)).decode()
             raise UsageError(f"ringsync.start_timeline: {detail}")
 

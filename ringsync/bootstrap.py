@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
+from .config import log_enabled
 from .errors import UsageError
 from .rendezvous import FaultTolerance, Rendezvous
 
@@ -165,7 +166,7 @@ def raise_fd_limit(size: int, rank: int, stream=None) -> Optional[str]:
                f"open files\". Raise the hard limit: ulimit -Hn, LimitNOFILE= (systemd), "
                f"docker run --ulimit nofile=N:N, or /etc/security/limits.conf")
     key = (size, soft, hard)
-    if key not in _fd_warnings_printed:
+    if key not in _fd_warnings_printed and log_enabled("warning"):
         _fd_warnings_printed.add(key)
         print(warning, file=stream or sys.stderr, flush=True)
     return warning

@@ -9,8 +9,9 @@ tests/unit/test_settings.py.
 """
 import math
 import os
+import re
 from dataclasses import Field, asdict, dataclass, field, fields, replace
-from typing import List, Mapping, Optional, Tuple
+from typing import Callable, List, Mapping, Optional, Tuple
 
 from .errors import UsageError
 
@@ -36,11 +37,62 @@ class Setting:
     zero: str = ""  # numbers: what 0 means, where it is special ("off", "no limit")
     choices: Tuple[str, ...] = ()  # text: the values that work (checked by init())
     agreed: bool = False  # every rank must have the same value (init() compares them)
+    # Horovod's variables for the same thing, in order of precedence: read when the
+    # RINGSYNC_ variable is unset (see setting_source).
+    aliases: Tuple["Alias", ...] = ()
+
+
+def _same(text: str) -> Optional[str]:
+    return text
+
+
+def horovod_true(text: str) -> bool:
+    """Horovod's reading of a flag variable: strtol(text) > 0 ("1" on, "0" or "true" off)."""
+    match = re.match(r"\s*([+-]?\d+)", text)
+    return bool(match) and int(match.group(1)) > 0
+
+
+@dataclass(frozen=True)
+class Alias:
+    """A Horovod variable that sets a ringsync setting: ``convert`` turns its text into
+    the setting's own text (Horovod's units into ringsync's), or None where that value
+    says nothing about the setting (it is then skipped)."""
+
+    env: str
+    convert: Callable[[str], Optional[str]] = _same
+    meaning: str = ""  # for the README where the conversion is not the identity
 
 
 def _setting(default, env: str, help: str, **info):
     """A Config field carrying its Setting."""
     return field(default=default, metadata={"setting": Setting(env, help, **info)})
+
+
+LOG_LEVELS = ("trace", "debug", "info", "warning", "error", "fatal")
+
+
+def _horovod_level(text: str) -> str:
+    """Horovod reads its log level case-insensitively and takes WARNING for anything else."""
+    level = text.strip().lower()
+    return level if level in LOG_LEVELS else "warning"
+
+
+def _horovod_timeline(text: str) -> Optional[str]:
+    """HOROVOD_TIMELINE=DYNAMIC only allows start_timeline(), which ringsync always does."""
+    return None if text.strip() == "DYNAMIC" else text
+
+
+def _horovod_flag(text: str) -> str:
+    return "1" if horovod_true(text) else "0"
+
+
+def _horovod_on_off(text: str) -> str:
+    return "on" if horovod_true(text) else "off"
+
+
+def _horovod_disable(text: str) -> Optional[str]:
+    """HOROVOD_STALL_CHECK_DISABLE=1: no stall reports (0 seconds); 0 says nothing."""
+    return "0" if horovod_true(text) else None
 
 
 _DEAD_PEER_NOTE = (
@@ -53,14 +105,16 @@ _DEAD_PEER_NOTE = (
 class Config:
     timeout_seconds: float = _setting(
         0.0, "RINGSYNC_TIMEOUT_SECONDS", unit="seconds", zero="no limit",
+        aliases=(Alias("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"),),
         help="a hard limit, opt-in: longest wait without progress, or for other ranks to "
              "submit a tensor, before `CommunicationTimeout`. " + _DEAD_PEER_NOTE)
     start_timeout_seconds: float = _setting(
         120.0, "RINGSYNC_START_TIMEOUT_SECONDS", unit="seconds", positive=True,
+        aliases=(Alias("HOROVOD_START_TIMEOUT"),),
         help="longest time `init()` may take to connect the ring")
     iface: Optional[str] = _setting(
         None, "RINGSYNC_IFACE", unit="interfaces or IP addresses",
-        default_text="(tested: see below)",
+        default_text="(tested: see below)", aliases=(Alias("HOROVOD_GLOO_IFACE"),),
         help="interface names (`eth0`) or IP addresses to listen on and advertise, "
              "comma-separated in order of preference (`ib0,eth0`): the first present on "
              "this host that every other host reaches. Unset: the host name's address, "
@@ -68,25 +122,39 @@ class Config:
              "one the other hosts can connect to")
     fusion_threshold: int = _setting(
         64 << 20, "RINGSYNC_FUSION_THRESHOLD", unit="bytes", maximum=INT64_MAX,
-        zero="no fusion", agreed=True,
+        zero="no fusion", agreed=True, aliases=(Alias("HOROVOD_FUSION_THRESHOLD"),),
         help="bytes of allreduces (same dtype, op and scale factors) fused into one ring "
              "pass. Larger tensors run alone")
     cycle_time_ms: float = _setting(
         1.0, "RINGSYNC_CYCLE_TIME_MS", unit="ms", zero="no wait",
+        aliases=(Alias("HOROVOD_CYCLE_TIME"),),
         help="longest wait for more asynchronous tensors to fuse with; the wait ends early "
              "when submissions pause (100 µs) or a caller waits, so a lone synchronous "
              "call never pays it")
     stall_check_seconds: float = _setting(
         60.0, "RINGSYNC_STALL_CHECK_SECONDS", unit="seconds", zero="never",
-        help="report tensors that some ranks have not submitted (rank 0, on stderr)")
+        aliases=(Alias("HOROVOD_STALL_CHECK_DISABLE", _horovod_disable, "`1`: 0 (never)"),
+                 Alias("HOROVOD_STALL_CHECK_TIME_SECONDS")),
+        help="report tensors that some ranks have not submitted (rank 0, on stderr, a "
+             "warning: not at `RINGSYNC_LOG_LEVEL` `error` or `fatal`). To end the job "
+             "after a stall, as Horovod's `HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`, set "
+             "`RINGSYNC_TIMEOUT_SECONDS`")
     cache_capacity: int = _setting(
         4096, "RINGSYNC_CACHE_CAPACITY", unit="tensors", maximum=INT32_MAX,
-        zero="no cache", agreed=True,
+        zero="no cache", agreed=True, aliases=(Alias("HOROVOD_CACHE_CAPACITY"),),
         help="tensors whose negotiation is remembered: a repeat costs one bit instead of "
              "its metadata")
     timeline: Optional[str] = _setting(
         None, "RINGSYNC_TIMELINE", unit="file path", default_text="(off)",
-        help="write a Chrome-trace timeline to this file from `init()` on")
+        aliases=(Alias("HOROVOD_TIMELINE", _horovod_timeline, "`DYNAMIC`: (off)"),),
+        help="write a Chrome-trace timeline of every rank to this one file (rank 0 writes "
+             "it at `stop_timeline()` or `shutdown()`) from `init()` on; see "
+             "[Timeline](#timeline)")
+    timeline_mark_cycles: int = _setting(
+        0, "RINGSYNC_TIMELINE_MARK_CYCLES", maximum=1,
+        aliases=(Alias("HOROVOD_TIMELINE_MARK_CYCLES", _horovod_flag, "> 0: 1"),),
+        help="1 marks the start of each of the engine's negotiation rounds (`CYCLE_START`) "
+             "in the timeline")
     transport: str = _setting(
         "auto", "RINGSYNC_TRANSPORT", choices=("auto", "tcp", "shm"), agreed=True,
         help="`auto`: shared memory with same-host peers (TCP, with a warning, where "
@@ -139,6 +207,7 @@ class Config:
     hierarchical_allreduce: str = _setting(
         "auto", "RINGSYNC_HIERARCHICAL_ALLREDUCE", choices=("auto", "on", "off", "1", "0"),
         agreed=True,
+        aliases=(Alias("HOROVOD_HIERARCHICAL_ALLREDUCE", _horovod_on_off, "> 0: `on`, else `off`"),),
         help="ranks on several hosts, the same number (at least 2) on each: an allreduce "
              "reduce-scatters inside each host, allreduces each slice across hosts (all "
              "local ranks at once, so every link is busy) and allgathers inside each host, "
@@ -185,9 +254,20 @@ class Config:
     elastic_discovery_seconds: float = _setting(
         1.0, "RINGSYNC_ELASTIC_DISCOVERY_SECONDS", unit="seconds", zero="at every commit",
         help="elastic: run the host discovery script at most this often")
+    elastic_slots_per_host: int = _setting(
+        1, "RINGSYNC_ELASTIC_SLOTS_PER_HOST", unit="slots", minimum=1,
+        help="elastic: the slots of a host that the discovery script names without "
+             "`:slots` (`--slots-per-host`)")
     elastic_reset_limit: int = _setting(
         0, "RINGSYNC_ELASTIC_RESET_LIMIT", unit="recoveries", zero="no limit", agreed=True,
         help="elastic: most recoveries before the job ends (`--reset-limit`)")
+    log_level: str = _setting(
+        "warning", "RINGSYNC_LOG_LEVEL", choices=LOG_LEVELS,
+        aliases=(Alias("HOROVOD_LOG_LEVEL", _horovod_level, "any case; unknown: `warning`"),),
+        help="the least severe of ringsync's own messages that are printed: `error` or "
+             "`fatal` silence its warnings (stall reports, the open-files limit, elastic "
+             "recovery), `info` and below add notes (where the timeline went). Read "
+             "case-insensitively")
     # Read by ringsync.bootstrap.fault_tolerant(), before any Config exists; described here
     # so that doctor, the launcher and the README know it.
     mpi_ft: Optional[str] = _setting(
@@ -202,9 +282,9 @@ class Config:
         when not None, win and are not checked."""
         values = {}
         for f, setting in setting_fields():
-            text = environ.get(setting.env)
-            if text:
-                values[f.name] = parse_value(f, text)
+            name, text = setting_source(setting, environ)
+            if name:
+                values[f.name] = parse_value(f, text, name)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return replace(cls(), **values)
 
@@ -229,6 +309,31 @@ def hierarchical_mode(text: str) -> str:
     return HIERARCHICAL_SPELLINGS.get(text.lower(), text)
 
 
+def setting_source(setting: Setting, environ: Mapping[str, str]) -> Tuple[Optional[str], str]:
+    """(the variable that sets ``setting``, its value in the setting's own terms), or
+    (None, "") where none does. RINGSYNC_<NAME> wins; unset or empty, the first of
+    Horovod's variables (Setting.aliases) that says something."""
+    text = environ.get(setting.env)
+    if text:
+        return setting.env, text
+    for alias in setting.aliases:
+        text = environ.get(alias.env)
+        converted = alias.convert(text) if text else None
+        if converted:
+            return alias.env, converted
+    return None, ""
+
+
+def log_enabled(level: str, environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether a message of ``level`` (one of LOG_LEVELS) is printed under
+    RINGSYNC_LOG_LEVEL (or HOROVOD_LOG_LEVEL); an unknown setting counts as `warning`.
+    Read at each call: messages come before and after init(), from any thread."""
+    _, text = setting_source(Config.__dataclass_fields__["log_level"].metadata["setting"],
+                             environ)
+    threshold = text.strip().lower() if text.strip().lower() in LOG_LEVELS else "warning"
+    return LOG_LEVELS.index(level) >= LOG_LEVELS.index(threshold)
+
+
 def setting_fields() -> List[Tuple[Field, Setting]]:
     """Every Config field with its Setting, in Config's order: the one list that parsing,
     doctor, the launcher and the README table walk."""
@@ -251,9 +356,11 @@ def is_number(f: Field) -> bool:
     return isinstance(f.default, (int, float))
 
 
-def parse_value(f: Field, text: str):
-    """The value of ``text`` for field ``f``, within its Setting's bounds."""
+def parse_value(f: Field, text: str, name: Optional[str] = None):
+    """The value of ``text`` for field ``f``, within its Setting's bounds. ``name``: the
+    variable it came from, for messages (default: the setting's own)."""
     setting = f.metadata["setting"]
+    name = name or setting.env
     if not is_number(f):
         return text  # choices are checked by init(), where every rank hears of a bad one
     kind = int if isinstance(f.default, int) else float
@@ -261,9 +368,9 @@ def parse_value(f: Field, text: str):
         value = kind(text)
     except ValueError:
         what = "a whole number" if kind is int else "a number"
-        raise UsageError(f"{setting.env}={text!r} is not {what}") from None
+        raise UsageError(f"{name}={text!r} is not {what}") from None
     if not within_bounds(setting, value):
-        raise UsageError(f"{setting.env}={text!r} must be {bounds_in_words(setting)}")
+        raise UsageError(f"{name}={text!r} must be {bounds_in_words(setting)}")
     return value
 
 
@@ -288,8 +395,8 @@ def bounds_in_words(setting: Setting) -> str:
 
 # --------------------------------------------------------------------------- README table
 
-TABLE_HEADER = ("| variable | default | values | ranks agree | meaning |\n"
-                "|---|---|---|---|---|")
+TABLE_HEADER = ("| variable | default | values | ranks agree | Horovod's variable | meaning |\n"
+                "|---|---|---|---|---|---|")
 
 
 def settings_table() -> str:
@@ -297,7 +404,7 @@ def settings_table() -> str:
     rows = [TABLE_HEADER]
     for f, setting in setting_fields():
         cells = (f"`{setting.env}`", default_in_words(f), values_in_words(f),
-                 "yes" if setting.agreed else "", setting.help)
+                 "yes" if setting.agreed else "", aliases_in_words(setting), setting.help)
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -312,6 +419,12 @@ def default_in_words(f: Field) -> str:
     if setting.unit == "bytes" and f.default >= 1024:
         text += f" ({_size(f.default)})"
     return text
+
+
+def aliases_in_words(setting: Setting) -> str:
+    """Horovod's variables for a setting, for the README (with any conversion)."""
+    return "; ".join(f"`{a.env}`" + (f" ({a.meaning})" if a.meaning else "")
+                     for a in setting.aliases)
 
 
 def values_in_words(f: Field) -> str:

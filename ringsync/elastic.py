@@ -30,7 +30,7 @@ from typing import Callable, Iterable, List
 import ringsync as _rs
 
 from . import bootstrap
-from .config import Config
+from .config import Config, log_enabled
 from ._core import Communicator
 from .errors import CommunicationError, HostsUpdatedInterrupt, UsageError
 from .objects import broadcast_object
@@ -162,8 +162,9 @@ class HostDiscovery:
     refreshed at most every `interval` seconds (the last good answer in between, or when
     the script fails: it is logged, never fatal)."""
 
-    def __init__(self, script: str, interval: float, max_np: int = 0):
+    def __init__(self, script: str, interval: float, max_np: int = 0, slots_per_host: int = 1):
         self.script, self.interval, self.max_np = script, interval, max_np
+        self.slots_per_host = slots_per_host
         self._last, self._when = None, -float("inf")
 
     @classmethod
@@ -171,7 +172,7 @@ class HostDiscovery:
         if not config.elastic_discovery_script:
             return None
         return cls(config.elastic_discovery_script, config.elastic_discovery_seconds,
-                   config.elastic_max_np)
+                   config.elastic_max_np, config.elastic_slots_per_host)
 
     def poll(self):
         if time.monotonic() - self._when < self.interval:
@@ -181,22 +182,22 @@ class HostDiscovery:
             done = subprocess.run([self.script], capture_output=True, text=True, timeout=30)
             if done.returncode != 0:
                 raise RuntimeError(f"exit status {done.returncode}: {done.stderr.strip()}")
-            self._last = parse_hosts(done.stdout)
+            self._last = parse_hosts(done.stdout, self.slots_per_host)
         except (OSError, RuntimeError, ValueError, subprocess.TimeoutExpired) as e:
             _log(f"host discovery script {self.script!r} failed ({e}); keeping the last "
                  "list of hosts")
         return self._last
 
 
-def parse_hosts(text: str) -> dict:
-    """`host:slots` (or `host`, one slot) per line -> {host: slots}, in order."""
+def parse_hosts(text: str, slots_per_host: int = 1) -> dict:
+    """`host:slots` (or `host`: slots_per_host slots) per line -> {host: slots}, in order."""
     hosts = {}
     for line in text.splitlines():
         line = line.strip()
         if not line or line.startswith("#"):
             continue
         host, _, slots = line.partition(":")
-        count = int(slots) if slots else 1
+        count = int(slots) if slots else slots_per_host
         if not host or count < 0:
             raise ValueError(f"bad host line {line!r} (expected host:slots)")
         hosts[host] = hosts.get(host, 0) + count
@@ -325,14 +326,17 @@ def _leave(rank: int, host_names) -> None:
     bootstrap.exit_as_failed(0)
 
 
-def _log(text: str) -> None:
+def _log(text: str, level: str = "warning") -> None:
+    """A recovery message on stderr, unless RINGSYNC_LOG_LEVEL is above ``level``."""
+    if not log_enabled(level):
+        return
     sys.stderr.write(f"ringsync.elastic: {text}\n")
     sys.stderr.flush()
 
 
 def _end_job(text: str) -> None:
     """An orderly end with a non-zero status, which mpirun takes as the end of the job."""
-    _log(text)
+    _log(text, "error")
     sys.stdout.flush()
     os._exit(1)
 

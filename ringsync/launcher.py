@@ -2,10 +2,18 @@
 
 ``ringsync run -np N [options] [--] program [args...]``
     builds the command line of the installed ``mpirun`` and runs it, returning mpirun's
-    exit status.
+    exit status. As horovodrun: the whole environment is exported to the ranks (but
+    is_exportable's exceptions), output lines are tagged with the rank, ranks are placed
+    with ``--bind-to none --map-by slot``, and horovodrun's options are taken: those that
+    set a ringsync setting become ``-x RINGSYNC_X=value`` (HOROVODRUN_SETTINGS), the
+    others act on the command (ssh port and identity, output files, timestamps, binding,
+    ``--check-build``, ``--config-file``: horovodrun's YAML, through parse_config_yaml),
+    and those with no meaning here are accepted and reported as ignored (IgnoredAction).
+    The README's "Launching" lists them all.
 ``ringsync doctor``
     reports the ringsync, native core, MPI and framework versions this machine has, and
-    every ringsync setting: its value and where it comes from.
+    every ringsync setting: its value and where it comes from (a HOROVOD_* alias named).
+    Frameworks are imported in a child process whose stderr is dropped.
 
 Signals. mpirun runs in a session of its own, so the terminal's signals reach only the
 launcher, which passes them on; and on Linux mpirun cannot outlive the launcher:
@@ -34,16 +42,18 @@ import ctypes
 import dataclasses
 import functools
 import importlib
-import importlib.util
+import json
 import os
+import re
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 
-from ringsync.config import (ENV_PREFIX, default_in_words, env_of, number_text, parse_value,
-                             setting_fields)
+from ringsync.config import (ENV_PREFIX, LOG_LEVELS, default_in_words, env_of, number_text,
+                             parse_value, setting_fields, setting_source)
 from ringsync.errors import UsageError
 
 OPEN_MPI = "openmpi"
@@ -222,16 +232,30 @@ def policy_flags(flavor: str, oversubscribe: bool, hosts_given: bool = False) ->
     return flags
 
 
+# Never exported to the ranks (as horovodrun, plus what belongs to one host or to an MPI
+# job already running): shell functions, the shell's last directory, the GPUs of this
+# host, this host's name, and the variables of an MPI runtime (a launcher started inside
+# an MPI job would hand its ranks a stale identity).
+UNEXPORTED_PREFIXES = ("BASH_FUNC_", "OMPI_", "PMIX_", "PRTE_", "OPAL_", "PMI_", "HYDRA_")
+UNEXPORTED_NAMES = {"OLDPWD", "HOSTNAME", "_", "SHLVL"}
+
+
+def is_exportable(name: str) -> bool:
+    return (name.isidentifier() and name not in UNEXPORTED_NAMES
+            and not name.startswith(UNEXPORTED_PREFIXES)
+            and not name.endswith("CUDA_VISIBLE_DEVICES"))
+
+
 def exported_variables(environ: dict[str, str] | None = None) -> list[str]:
-    """Variables ranks on other hosts must see: the ringsync settings set here (Config's
-    list), then any other RINGSYNC_* variable (the program's own, or a misspelt setting,
-    which doctor and --verbose point out), plus PATH and PYTHONPATH when set (so remote
-    ranks find the same python and packages)."""
+    """Variables the ranks get, as horovodrun does it: the whole environment but what
+    is_exportable refuses. The ringsync settings set here come first (Config's order),
+    then any other RINGSYNC_* variable (the program's own, or a misspelt setting, which
+    doctor and --verbose point out), then the rest, sorted."""
     environ = os.environ if environ is None else environ
     known = [setting.env for _, setting in setting_fields()]
     names = [name for name in known if name in environ]
     names += unknown_ringsync_variables(environ)
-    names += [name for name in ("PATH", "PYTHONPATH") if name in environ]
+    names += sorted(name for name in environ if name not in names and is_exportable(name))
     return names
 
 
@@ -270,7 +294,8 @@ def program_command(program: list[str]) -> list[str]:
 
 @dataclasses.dataclass
 class RunOptions:
-    """What ``ringsync run`` was asked to do; later options (elastic limits) go here."""
+    """What ``ringsync run`` was asked to do. None: not given (the ranks' environment, or
+    ringsync's default, decides)."""
 
     np: int
     program: list[str]
@@ -282,9 +307,92 @@ class RunOptions:
     respawn: bool = False
     reset_limit: int | None = None
     host_discovery_script: str | None = None
+    slots_per_host: int | None = None
     mpi_args: str | None = None
     dry_run: bool = False
     verbose: bool = False
+    # horovodrun's options (see HOROVODRUN_SETTINGS and the README's "Launching")
+    fusion_threshold_mb: float | None = None
+    cycle_time_ms: float | None = None
+    cache_capacity: int | None = None
+    hierarchical_allreduce: bool | None = None
+    timeline_filename: str | None = None
+    timeline_mark_cycles: bool | None = None
+    no_stall_check: bool | None = None
+    stall_check_warning_time_seconds: float | None = None
+    stall_check_shutdown_time_seconds: float | None = None
+    nics: list[str] | None = None
+    log_level: str | None = None
+    start_timeout: float | None = None
+    output_filename: str | None = None
+    prefix_output_with_timestamp: bool = False
+    ssh_port: int | None = None
+    ssh_identity_file: str | None = None
+    binding_args: str | None = None
+    config_file: str | None = None
+    controller: str | None = None
+    tcp: bool = False
+    ignored: list[str] = dataclasses.field(default_factory=list)
+
+
+def has_option(words: list[str], *names: str) -> bool:
+    """Whether an mpirun option (``--map-by`` also as ``-map-by`` or ``--map-by=x``) is in
+    ``words``."""
+    spellings = {n for name in names for n in (name, name[1:])}
+    return any(w.split("=", 1)[0] in spellings for w in words)
+
+
+def binding_flags(flavor: str, options: RunOptions, extra: list[str],
+                  policy: list[str]) -> list[str]:
+    """horovodrun's placement: no binding, ranks placed slot by slot, unless the user
+    chose (--binding-args replaces it, --mpi-args' own --bind-to / --map-by win)."""
+    if flavor != OPEN_MPI:
+        return []
+    if options.binding_args is not None:
+        return shlex.split(options.binding_args)
+    flags = [] if has_option(extra, "--bind-to") else ["--bind-to", "none"]
+    if not has_option(extra + policy, "--map-by"):
+        flags += ["--map-by", "slot"]
+    return flags
+
+
+@functools.lru_cache(maxsize=None)
+def open_mpi_major(mpirun: str) -> int:
+    """Open MPI's major version (5 where the banner does not say)."""
+    banner = tool_output([mpirun, "--version"]) or ""
+    match = re.search(r"Open MPI\)? (\d+)\.", banner)
+    return int(match.group(1)) if match else 5
+
+
+def ssh_flags(flavor: str, mpirun: str, options: RunOptions) -> list[str]:
+    """-p / -i for the ssh that starts mpirun's daemons on other hosts."""
+    words = []
+    if options.ssh_port is not None:
+        words += ["-p", str(options.ssh_port)]
+    if options.ssh_identity_file:
+        words += ["-i", options.ssh_identity_file]
+    if not words:
+        return []
+    text = shlex.join(words)
+    if flavor == MPICH:
+        return ["-bootstrap", "ssh", "-bootstrap-exec-args", text]
+    if open_mpi_major(mpirun) >= 5:  # PRRTE renamed the rsh launcher's parameters
+        return ["--prtemca", "plm_ssh_args", text]
+    return ["--mca", "plm_rsh_args", text]
+
+
+def output_flags(flavor: str, options: RunOptions) -> list[str]:
+    """Each output line tagged with its rank (as horovodrun); a timestamp if asked. Open
+    MPI's per-rank files are the launcher's (see OutputFiles); Hydra writes its own."""
+    if flavor == MPICH:
+        flags = ["-l"]
+        if options.output_filename:
+            flags += ["-outfile-pattern", options.output_filename]
+        return flags
+    if flavor != OPEN_MPI:
+        return []
+    return ["--tag-output"] + (["--timestamp-output"]
+                               if options.prefix_output_with_timestamp else [])
 
 
 def build_mpirun_command(
@@ -299,13 +407,18 @@ def build_mpirun_command(
     slots = available_slots(options.hosts, options.hostfile)
     command = [mpirun, "-np", str(options.np)]
     extra = shlex.split(options.mpi_args or "")
-    command += policy_flags(flavor, oversubscribe=options.np > slots,
-                            hosts_given=bool(options.hosts or options.hostfile)
-                            and "--map-by" not in extra)
+    policy = policy_flags(flavor, oversubscribe=options.np > slots,
+                          hosts_given=bool(options.hosts or options.hostfile)
+                          and not has_option(extra, "--map-by"))
+    command += policy + binding_flags(flavor, options, extra, policy)
+    command += output_flags(flavor, options)
     command += host_flags(flavor, options.hosts, options.hostfile)
-    elastic = elastic_settings(options) if options.elastic else {}
+    command += ssh_flags(flavor, mpirun, options)
+    settings = option_settings(options)
+    if options.elastic:
+        settings.update(elastic_settings(options))
     # An option's value replaces the variable of the same name rather than racing it.
-    exported = [name for name in exported_variables(environ) if name not in elastic]
+    exported = [name for name in exported_variables(environ) if name not in settings]
     command += export_flags(flavor, exported)
     if options.elastic:
         if flavor != OPEN_MPI:
@@ -313,9 +426,51 @@ def build_mpirun_command(
         # Without ULFM, mpirun ends the whole job when one rank dies; with it, survivors
         # get an error they can recover from.
         command += ["--with-ft", "ulfm"]
-        for name, value in elastic.items():
-            command += ["-x", f"{name}={value}"]
+    command += value_flags(flavor, settings)
     return command + extra + program_command(options.program)
+
+
+def value_flags(flavor: str, settings: dict[str, str]) -> list[str]:
+    """Variables with values given here (not taken from the launcher's environment)."""
+    flags = []
+    for name, value in settings.items():
+        flags += ["-genv", name, value] if flavor == MPICH else ["-x", f"{name}={value}"]
+    return flags
+
+
+def option_settings(options: RunOptions) -> dict[str, str]:
+    """The RINGSYNC_* settings that horovodrun's options given here stand for
+    (HOROVODRUN_SETTINGS), in ringsync's units."""
+    values = {}
+    for dest, (field_name, convert) in HOROVODRUN_SETTINGS.items():
+        given = getattr(options, dest)
+        if given is not None:
+            values[field_name] = convert(given)
+    if options.no_stall_check:  # wins over a warning time, as in Horovod
+        values["stall_check_seconds"] = "0"
+    return {env_of(name): text for name, text in values.items() if text is not None}
+
+
+def _megabytes(mb: float) -> str:
+    return str(int(mb * 1024 * 1024))  # as horovodrun: MB of 2^20 bytes
+
+
+# horovodrun's option (its dest) -> (the Config field it sets, its value as that field's
+# text). --no-stall-check is option_settings' own.
+HOROVODRUN_SETTINGS = {
+    "fusion_threshold_mb": ("fusion_threshold", _megabytes),
+    "cycle_time_ms": ("cycle_time_ms", number_text),
+    "cache_capacity": ("cache_capacity", str),
+    "hierarchical_allreduce": ("hierarchical_allreduce", lambda on: "on" if on else "off"),
+    "timeline_filename": ("timeline", str),
+    "timeline_mark_cycles": ("timeline_mark_cycles", lambda on: "1" if on else "0"),
+    "stall_check_warning_time_seconds": ("stall_check_seconds", number_text),
+    "stall_check_shutdown_time_seconds": ("timeout_seconds", number_text),
+    "nics": ("iface", ",".join),
+    "log_level": ("log_level", str.lower),
+    "start_timeout": ("start_timeout_seconds", number_text),
+    "slots_per_host": ("elastic_slots_per_host", str),
+}
 
 
 def elastic_settings(options: RunOptions) -> dict[str, str]:
@@ -380,10 +535,12 @@ def death_signal_setter(signum: int):
     return set_death_signal
 
 
-def start_mpirun(command: list[str]) -> subprocess.Popen:
+def start_mpirun(command: list[str], piped: bool = False) -> subprocess.Popen:
     """Start mpirun in a session of its own (the terminal's signals reach only the launcher,
-    which decides what mpirun gets), bound to die with the launcher."""
-    return subprocess.Popen(command, start_new_session=True,
+    which decides what mpirun gets), bound to die with the launcher. ``piped``: its stdout
+    and stderr come to us (OutputFiles)."""
+    pipe = subprocess.PIPE if piped else None
+    return subprocess.Popen(command, start_new_session=True, stdout=pipe, stderr=pipe,
                             preexec_fn=death_signal_setter(MPIRUN_DEATH_SIGNAL))
 
 
@@ -406,9 +563,57 @@ def pass_on(mpirun: subprocess.Popen, signum: int) -> None:
         stop_launcher()
 
 
-def run_forwarding_signals(command: list[str]) -> int:
+class OutputFiles:
+    """``--output-filename DIR`` under Open MPI: every line mpirun prints still reaches the
+    console, and each rank's lines (told apart by --tag-output's ``[job,rank]<stream>:``)
+    also go, untagged, to ``DIR/rank.<r>/stdout`` or ``stderr`` (r zero-padded to the width
+    of the largest rank, as horovodrun's Gloo launcher). Open MPI 5's own
+    --output-filename names files after mpirun's pid and prints nothing on the console."""
+
+    TAG = re.compile(rb"^(?:\[[^\]]*\])?\[\d+,(\d+)\]<(stdout|stderr)>: ?")
+
+    def __init__(self, directory: str, np: int):
+        self.directory, self.width = directory, len(str(max(np - 1, 0)))
+        self.files, self.lock = {}, threading.Lock()
+        self.threads = []
+
+    def file_for(self, rank: int, stream: str):
+        key = (rank, stream)
+        with self.lock:
+            if key not in self.files:
+                folder = os.path.join(self.directory, "rank.%0*d" % (self.width, rank))
+                os.makedirs(folder, exist_ok=True)
+                self.files[key] = open(os.path.join(folder, stream), "wb")
+            return self.files[key]
+
+    def pump(self, source, console) -> None:
+        for line in iter(source.readline, b""):
+            console.write(line)
+            console.flush()
+            match = self.TAG.match(line)
+            if match:
+                f = self.file_for(int(match.group(1)), match.group(2).decode())
+                f.write(line[match.end():])
+                f.flush()
+
+    def start(self, mpirun: subprocess.Popen) -> None:
+        os.makedirs(self.directory, exist_ok=True)
+        for source, console in ((mpirun.stdout, sys.stdout), (mpirun.stderr, sys.stderr)):
+            sink = getattr(console, "buffer", console)
+            thread = threading.Thread(target=self.pump, args=(source, sink), daemon=True)
+            thread.start()
+            self.threads.append(thread)
+
+    def close(self) -> None:
+        for thread in self.threads:
+            thread.join(timeout=10)
+        for f in self.files.values():
+            f.close()
+
+
+def run_forwarding_signals(command: list[str], output: OutputFiles | None = None) -> int:
     """Run ``command`` (mpirun) and return its exit status, passing signals on as the
-    module docstring describes.
+    module docstring describes; with ``output``, mpirun's output goes through it.
 
     Each signal we get is passed on once to mpirun's process group (Open MPI puts each
     rank in a group of its own), and mpirun acts on the ranks itself. A child killed by
@@ -427,13 +632,17 @@ def run_forwarding_signals(command: list[str]) -> int:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in SIGNALS_FOR_MPIRUN}
     try:
-        job["mpirun"] = start_mpirun(command)
+        job["mpirun"] = start_mpirun(command, piped=output is not None)
+        if output is not None:
+            output.start(job["mpirun"])
         for signum in job["pending"]:
             pass_on(job["mpirun"], signum)
         returncode = job["mpirun"].wait()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if output is not None:
+            output.close()
     return 128 - returncode if returncode < 0 else returncode
 
 
@@ -450,16 +659,25 @@ def settings_report(environ: dict[str, str] | None = None) -> list[str]:
     will use and where it comes from, so a bad value shows up before any rank starts;
     then any other RINGSYNC_* variable set, where a misspelt setting shows up."""
     environ = os.environ if environ is None else environ
-    lines = [describe_setting(f, setting, environ.get(setting.env))
-             for f, setting in setting_fields()]
+    lines = []
+    for f, setting in setting_fields():
+        name, text = setting_source(setting, environ)
+        lines.append(describe_setting(f, setting, text if name else environ.get(setting.env),
+                                      name))
     lines += ["%-40s %s" % ("%s=%s" % (name, environ[name]),
                             "environment: not a ringsync setting (exported as is)")
               for name in unknown_ringsync_variables(environ)]
+    aliases = {alias.env for _, setting in setting_fields() for alias in setting.aliases}
+    lines += ["%-40s %s" % ("%s=%s" % (name, environ[name]),
+                            "environment: a Horovod variable ringsync does not read")
+              for name in sorted(environ) if name.startswith("HOROVOD_") and name not in aliases]
     return lines
 
 
-def describe_setting(f: dataclasses.Field, setting, text: str | None) -> str:
-    """``NAME=value   source`` for one setting; ``text`` is its variable's value, if set."""
+def describe_setting(f: dataclasses.Field, setting, text: str | None,
+                     name: str | None = None) -> str:
+    """``NAME=value   source`` for one setting; ``text`` is its value, if set, from the
+    variable ``name`` (default: its own; a Horovod alias says so)."""
     if not text:  # unset or empty: Config.from_env takes the default
         plain = "" if f.default is None else number_text(f.default)
         shown = "%s=%s" % (setting.env, plain) if plain else setting.env
@@ -469,9 +687,9 @@ def describe_setting(f: dataclasses.Field, setting, text: str | None) -> str:
         else:
             source = "default: " + meaning
         return "%-40s %s" % (shown, source + (" (set but empty)" if text == "" else ""))
-    source = "environment"
+    source = "environment" if name in (None, setting.env) else "environment (%s)" % name
     try:
-        source += zero_note(setting, parse_value(f, text))
+        source += zero_note(setting, parse_value(f, text, name))
         if setting.choices and text.lower() not in setting.choices:
             source += "; error: not one of %s (init() fails)" % ", ".join(setting.choices)
     except UsageError as exc:
@@ -492,19 +710,28 @@ def describe_run(options: RunOptions, command: list[str]) -> str:
         % (options.np, slots, source, ", oversubscribed" if options.np > slots else ""),
         "ringsync settings (value, where from):",
     ]
-    lines += ["  " + line for line in settings_report()]
+    given = option_settings(options)
+    lines += ["  " + line for line in settings_report(dict(os.environ, **given))]
+    if given:
+        lines += ["  (set by this command's options: %s)" % ", ".join(given)]
     lines += ["command: " + shlex.join(command)]
     return "\n".join(lines)
 
 
 def run(options: RunOptions) -> int:
-    command = build_mpirun_command(options)
+    for note in options.ignored:
+        print("ringsync run: ignored: " + note, file=sys.stderr, flush=True)
+    mpirun = find_mpirun()
+    command = build_mpirun_command(options, mpirun)
     if options.verbose:
         print(describe_run(options, command), file=sys.stderr, flush=True)
     if options.dry_run:
         print(shlex.join(command))
         return 0
-    return run_forwarding_signals(command)
+    output = None
+    if options.output_filename and mpi_flavor(mpirun) == OPEN_MPI:
+        output = OutputFiles(options.output_filename, options.np)
+    return run_forwarding_signals(command, output)
 
 
 # --------------------------------------------------------------------------- doctor
@@ -578,11 +805,40 @@ def mpi4py_version() -> str:
     return mpi4py.__version__
 
 
+# Run in a child whose stderr is dropped: importing TensorFlow prints oneDNN, absl and
+# CUDA chatter from C++ (some of it before TF_CPP_MIN_LOG_LEVEL is read) that would bury
+# the report.
+FRAMEWORK_PROBE = """
+import importlib, importlib.util, json, sys
+found = {}
+for name in sys.argv[1:]:
+    try:
+        if importlib.util.find_spec(name) is None:
+            found[name] = "not installed"
+            continue
+        module = importlib.import_module(name)
+        found[name] = str(getattr(module, "__version__", "installed (version unknown)"))
+    except Exception as exc:
+        found[name] = "error: %s: %s" % (type(exc).__name__, exc)
+print(json.dumps(found))
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def framework_versions() -> dict:
+    """{framework: version or why not}, from one quiet child interpreter."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONWARNINGS="ignore")
+    done = subprocess.run([sys.executable, "-c", FRAMEWORK_PROBE, *FRAMEWORKS],
+                          capture_output=True, text=True, timeout=600, env=env)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError("the probe exited with status %d: %s" % (done.returncode, tail))
+    return json.loads(lines[-1])
+
+
 def framework_version(name: str) -> str:
-    if importlib.util.find_spec(name) is None:
-        return "not installed"
-    module = importlib.import_module(name)
-    return str(getattr(module, "__version__", "installed (version unknown)"))
+    return framework_versions()[name]
 
 
 def mpirun_description() -> str:
@@ -591,8 +847,6 @@ def mpirun_description() -> str:
 
 
 def doctor() -> int:
-    # TensorFlow's C++ start-up chatter would bury the report.
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     rows = [
         ("ringsync", ringsync_version),
         ("native core", native_version),
@@ -613,20 +867,110 @@ def doctor() -> int:
 
 # --------------------------------------------------------------------------- argument parsing
 
+
+def _number(kind, low: float = 0, positive: bool = False):
+    """An argparse type: a number of ``kind`` that is >= low (> 0 when ``positive``);
+    argparse's error names the option."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(
+                "%r is not %s" % (text, "a whole number" if kind is int else "a number"))
+        if value != value or value < low or (positive and value == 0):
+            raise argparse.ArgumentTypeError(
+                "%r must be %s" % (text, "positive" if positive else "zero or more"))
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _log_level(text: str) -> str:
+    if text.lower() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError("%r is not one of %s" % (
+            text, ", ".join(level.upper() for level in LOG_LEVELS)))
+    return text.lower()
+
+
+class NicsAction(argparse.Action):
+    """--network-interfaces a,b (repeatable): the union, in the order given."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        nics = list(getattr(namespace, self.dest) or [])
+        for nic in values.split(","):
+            if not nic.strip():
+                parser.error("%s %r: an empty interface name" % (option_string, values))
+            if nic.strip() not in nics:
+                nics.append(nic.strip())
+        setattr(namespace, self.dest, nics)
+
+
+class IgnoredAction(argparse.Action):
+    """A horovodrun option with no meaning here: accepted, and ``ringsync run`` says that
+    it is ignored and why."""
+
+    def __init__(self, option_strings, dest, reason="", **kwargs):
+        self.reason = reason
+        super().__init__(option_strings, "ignored", **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        notes = list(getattr(namespace, "ignored", None) or [])
+        notes.append("%s (%s)" % (option_string, self.reason))
+        namespace.ignored = notes
+
+
+class RejectedAction(argparse.Action):
+    """A horovodrun option ringsync cannot honour: a usage error saying why."""
+
+    def __init__(self, option_strings, dest, reason="", **kwargs):
+        self.reason = reason
+        super().__init__(option_strings, argparse.SUPPRESS, nargs=0,
+                         default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error("%s: %s" % (option_string, self.reason))
+
+
+class CheckBuildAction(argparse.Action):
+    """-cb / --check-build: doctor's report, then exit (as horovodrun's, before -np is
+    checked)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, argparse.SUPPRESS, nargs=0,
+                         default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.exit(doctor())
+
+
+def _flag(dest, const, help):
+    """An on/off option whose absence is None, so --config-file can tell it was not given."""
+    return dict(dest=dest, action="store_const", const=const, default=None, help=help)
+
+
+def _ignored(reason, nargs=None, metavar=None):
+    return dict(action=IgnoredAction, reason=reason, nargs=nargs, metavar=metavar,
+                help="ignored: " + reason)
+
+
+_NO_AUTOTUNE = "ringsync has no autotuner; set --fusion-threshold-mb and --cycle-time-ms"
+_SWITCH = 0  # nargs of an ignored option without a value
+
 # (option strings, argparse keywords) for ``ringsync run``. The table also tells
 # split_program_argv which options take a value, so the two never disagree.
 RUN_OPTIONS = [
     (("-np", "-n", "--num-proc"),
-     dict(dest="np", type=int, required=True, metavar="N", help="number of ranks to start")),
+     dict(dest="np", type=int, metavar="N", help="number of ranks to start")),
     (("-H", "--hosts"),
      dict(dest="hosts", metavar="HOST:SLOTS,...", help="hosts and their slots, as mpirun -H")),
-    (("--hostfile",), dict(dest="hostfile", metavar="FILE", help="an mpirun hostfile")),
+    (("-hostfile", "--hostfile"),
+     dict(dest="hostfile", metavar="FILE", help="an mpirun hostfile (HOST slots=N lines)")),
     (("--elastic",),
      dict(action="store_true", help="survive rank failures (Open MPI ULFM: --with-ft ulfm)")),
-    (("--min-np",),
+    (("--min-np", "--min-num-proc"),
      dict(dest="min_np", type=int, metavar="K",
           help="elastic: end the job when fewer than K ranks survive (default 1)")),
-    (("--max-np",),
+    (("--max-np", "--max-num-proc"),
      dict(dest="max_np", type=int, metavar="M", help="elastic: never grow past M ranks")),
     (("--respawn",),
      dict(action="store_true",
@@ -638,22 +982,141 @@ RUN_OPTIONS = [
      dict(dest="host_discovery_script", metavar="SCRIPT",
           help="elastic: a program printing the available hosts (host:slots lines); the "
                "job grows onto new slots and drops ranks on hosts that go away, at commits")),
+    (("--slots-per-host",),
+     dict(dest="slots_per_host", type=_number(int, positive=True), metavar="S",
+          help="elastic: slots of a host the discovery script prints without :slots "
+               "(RINGSYNC_ELASTIC_SLOTS_PER_HOST; default 1)")),
     (("--mpi-args",),
      dict(dest="mpi_args", metavar='"ARGS"',
           help='extra mpirun options, one shell-quoted string given with "=" (as '
                'horovodrun\'s): --mpi-args="--prtemca plm_ssh_agent /path/agent"; they '
-               'come after ringsync\'s own, so they win where mpirun takes the last')),
+               'come after ringsync\'s own, so they win where mpirun takes the last; a '
+               '--bind-to or --map-by here replaces ringsync\'s')),
+    (("--binding-args",),
+     dict(dest="binding_args", metavar='"ARGS"',
+          help='Open MPI: replaces the default placement "--bind-to none --map-by slot"')),
+    (("-p", "--ssh-port"),
+     dict(dest="ssh_port", type=_number(int, positive=True), metavar="PORT",
+          help="ssh port of the other hosts (Open MPI 5: --prtemca plm_ssh_args)")),
+    (("-i", "--ssh-identity-file"),
+     dict(dest="ssh_identity_file", metavar="FILE",
+          help="ssh identity file for the other hosts (with -p, in plm_ssh_args)")),
+    (("--network-interfaces", "--network-interface"),
+     dict(dest="nics", action=NicsAction, metavar="NIC,...",
+          help="interfaces (or IP addresses) the ranks use, in order of preference; "
+               "repeatable (RINGSYNC_IFACE)")),
+    (("--output-filename",),
+     dict(dest="output_filename", metavar="DIR",
+          help="also write each rank's output to DIR/rank.<r>/stdout and stderr")),
+    (("-prefix-timestamp", "--prefix-output-with-timestamp"),
+     dict(dest="prefix_output_with_timestamp", action="store_true",
+          help="prefix each output line with the time (mpirun --timestamp-output)")),
+    (("--start-timeout",),
+     dict(dest="start_timeout", type=_number(float, positive=True), metavar="SECONDS",
+          help="longest time init() may take to connect the ring "
+               "(RINGSYNC_START_TIMEOUT_SECONDS)")),
+    (("--config-file",),
+     dict(dest="config_file", metavar="FILE",
+          help="horovodrun's YAML file (params, timeline, stall_check, logging, ...); "
+               "options on the command line win")),
+    # tuning
+    (("--fusion-threshold-mb",),
+     dict(dest="fusion_threshold_mb", type=_number(float), metavar="MB",
+          help="fuse allreduces up to MB MiB into one pass; 0: no fusion "
+               "(RINGSYNC_FUSION_THRESHOLD, in bytes)")),
+    (("--cycle-time-ms",),
+     dict(dest="cycle_time_ms", type=_number(float), metavar="MS",
+          help="longest wait for more tensors to fuse with (RINGSYNC_CYCLE_TIME_MS)")),
+    (("--cache-capacity",),
+     dict(dest="cache_capacity", type=_number(int), metavar="N",
+          help="tensors whose negotiation is remembered; 0: no cache "
+               "(RINGSYNC_CACHE_CAPACITY)")),
+    (("--hierarchical-allreduce",),
+     _flag("hierarchical_allreduce", True, "every allreduce hierarchical across hosts "
+           "(RINGSYNC_HIERARCHICAL_ALLREDUCE=on)")),
+    (("--no-hierarchical-allreduce",),
+     _flag("hierarchical_allreduce", False, "RINGSYNC_HIERARCHICAL_ALLREDUCE=off")),
+    # timeline
+    (("--timeline-filename",),
+     dict(dest="timeline_filename", metavar="FILE",
+          help="record every rank's tensors in this Chrome-trace file (RINGSYNC_TIMELINE)")),
+    (("--timeline-mark-cycles",),
+     _flag("timeline_mark_cycles", True, "mark each negotiation round in the timeline "
+           "(RINGSYNC_TIMELINE_MARK_CYCLES=1)")),
+    (("--no-timeline-mark-cycles",), _flag("timeline_mark_cycles", False, argparse.SUPPRESS)),
+    # stalls and logging
+    (("--no-stall-check",),
+     _flag("no_stall_check", True, "no stall reports (RINGSYNC_STALL_CHECK_SECONDS=0)")),
+    (("--stall-check",), _flag("no_stall_check", False, argparse.SUPPRESS)),
+    (("--stall-check-warning-time-seconds",),
+     dict(dest="stall_check_warning_time_seconds", type=_number(float), metavar="SECONDS",
+          help="report a tensor some ranks have not submitted after SECONDS "
+               "(RINGSYNC_STALL_CHECK_SECONDS)")),
+    (("--stall-check-shutdown-time-seconds",),
+     dict(dest="stall_check_shutdown_time_seconds", type=_number(float), metavar="SECONDS",
+          help="fail (CommunicationTimeout: the job ends with an error) once a tensor has "
+               "waited SECONDS for other ranks, or a wait made no progress that long; 0: "
+               "never (RINGSYNC_TIMEOUT_SECONDS)")),
+    (("--log-level",),
+     dict(dest="log_level", type=_log_level, metavar="LEVEL",
+          help="TRACE, DEBUG, INFO, WARNING (default), ERROR or FATAL: the least severe "
+               "of ringsync's messages printed (RINGSYNC_LOG_LEVEL)")),
+    # controllers: ringsync has one
+    (("--mpi",), dict(dest="controller", action="store_const", const="mpi",
+                      help="accepted: ringsync always starts its ranks with mpirun")),
+    (("--gloo",), dict(dest="controller", action="store_const", const="gloo",
+                       help="accepted: ranks still start under mpirun; tensors move over "
+                            "ringsync's own TCP / shared-memory ring, as with --mpi")),
+    (("--tcp",), dict(dest="tcp", action="store_true",
+                      help="accepted: ringsync uses TCP between hosts already (no "
+                           "InfiniBand verbs); RINGSYNC_TRANSPORT=tcp also avoids shared "
+                           "memory on one host")),
+    (("--jsrun",), dict(action=RejectedAction,
+                        reason="ringsync run starts ranks with mpirun only; under LSF, start "
+                               "the ranks with jsrun yourself", help=argparse.SUPPRESS)),
+    # horovodrun options with no meaning here
+    (("--disable-cache",),
+     _ignored("horovodrun's cache of ssh and interface checks; ringsync run makes no such "
+              "checks (to turn off the negotiation cache: --cache-capacity 0)", _SWITCH)),
+    (("--autotune", "--no-autotune"), _ignored(_NO_AUTOTUNE, _SWITCH)),
+    (("--autotune-log-file", "--autotune-warmup-samples", "--autotune-steps-per-sample",
+      "--autotune-bayes-opt-max-samples", "--autotune-gaussian-process-noise"),
+     _ignored(_NO_AUTOTUNE, metavar="VALUE")),
+    (("--hierarchical-allgather", "--no-hierarchical-allgather"),
+     _ignored("ringsync's allgather has no hierarchical form", _SWITCH)),
+    (("--mpi-threads-disable", "--no-mpi-threads-disable"),
+     _ignored("ringsync makes no MPI calls while tensors move", _SWITCH)),
+    (("--num-nccl-streams",), _ignored("ringsync does not use NCCL", metavar="N")),
+    (("--thread-affinity",),
+     _ignored("ringsync does not pin its engine thread", metavar="CORES")),
+    (("--gloo-timeout-seconds",),
+     _ignored("no Gloo here; --start-timeout and --stall-check-shutdown-time-seconds bound "
+              "ringsync's waits", metavar="SECONDS")),
+    (("--log-with-timestamp", "--log-without-timestamp", "--log-hide-timestamp",
+      "--no-log-hide-timestamp"),
+     _ignored("ringsync's messages carry no timestamp; --prefix-output-with-timestamp "
+              "stamps every output line", _SWITCH)),
+    (("--elastic-timeout",),
+     _ignored("ringsync's recovery has no such wait: survivors continue at once",
+              metavar="SECONDS")),
+    (("--blacklist-cooldown-range",),
+     _ignored("ringsync does not blacklist hosts", 2, ("MIN", "MAX"))),
+    (("-cb", "--check-build"),
+     dict(action=CheckBuildAction, help="print `ringsync doctor`'s report and exit")),
     (("--dry-run",), dict(action="store_true", help="print the mpirun command and exit")),
     (("-v", "--verbose"),
      dict(action="store_true", help="print the command and ringsync settings before running")),
 ]
+
+_NO_VALUE_ACTIONS = ("store_true", "store_false", "store_const", CheckBuildAction,
+                     RejectedAction)
 
 
 def options_taking_values() -> set[str]:
     return {
         flag
         for flags, kwargs in RUN_OPTIONS
-        if kwargs.get("action") not in ("store_true", "store_false")
+        if kwargs.get("action") not in _NO_VALUE_ACTIONS and kwargs.get("nargs") != _SWITCH
         for flag in flags
     }
 
@@ -673,6 +1136,9 @@ def split_program_argv(argv: list[str]) -> tuple[list[str], list[str]]:
             return argv[:i], argv[i + 1:]
         if not word.startswith("-") or word == "-":
             return argv[:i], argv[i:]
+        if word == "--blacklist-cooldown-range":
+            i += 3
+            continue
         i += 2 if word in takes_value else 1  # "--opt=value" is one word
     return argv, []
 
@@ -688,8 +1154,11 @@ def make_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         usage="ringsync run -np N [-H HOST:SLOTS,...] [--hostfile FILE] [--elastic "
               "[--min-np K] [--max-np M] [--respawn] [--reset-limit R] "
               "[--host-discovery-script SCRIPT]] [--mpi-args=\"ARGS\"] "
-              "[--dry-run] "
+              "[horovodrun's options: see --help] [--dry-run] "
               "[--verbose] [--] program [args ...]",
+        description="Options named as horovodrun's do what horovodrun's do, through "
+                    "ringsync's settings (RINGSYNC_* variables given to every rank); those "
+                    "with no meaning here are accepted and reported as ignored.",
         allow_abbrev=False,
     )
     for flags, kwargs in RUN_OPTIONS:
@@ -702,15 +1171,158 @@ def parse_run_options(argv: list[str]) -> RunOptions:
     _, run_parser = make_parser()
     launcher_args, program = split_program_argv(argv)
     namespace = run_parser.parse_args(launcher_args)
+    if namespace.np is None:
+        run_parser.error("the following arguments are required: -np/-n/--num-proc")
     if not program:
         run_parser.error("no program given")
     if namespace.np < 1:
         run_parser.error("-np must be at least 1")
-    options = RunOptions(program=program, **vars(namespace))
+    if namespace.config_file:
+        try:
+            apply_config_file(namespace, namespace.config_file)
+        except (OSError, ValueError, argparse.ArgumentTypeError) as exc:
+            run_parser.error("--config-file %s: %s" % (namespace.config_file, exc))
+    options = RunOptions(program=program, **{k: v for k, v in vars(namespace).items()
+                                             if k != "ignored"},
+                         ignored=list(getattr(namespace, "ignored", None) or []))
     problem = check_elastic_options(options)
     if problem:
         run_parser.error(problem)
     return options
+
+
+# --------------------------------------------------------------------------- --config-file
+
+# horovodrun's YAML, section -> key -> (the option's dest it sets, its type). None: the
+# key is accepted and reported as ignored (as the option it stands for).
+CONFIG_KEYS = {
+    "params": {"fusion_threshold_mb": ("fusion_threshold_mb", _number(float)),
+               "cycle_time_ms": ("cycle_time_ms", _number(float)),
+               "cache_capacity": ("cache_capacity", _number(int)),
+               "hierarchical_allreduce": ("hierarchical_allreduce", bool),
+               "hierarchical_allgather": None},
+    "timeline": {"filename": ("timeline_filename", str),
+                 "mark_cycles": ("timeline_mark_cycles", bool)},
+    "stall_check": {"enabled": ("no_stall_check", "not"),
+                    "warning_time_seconds": ("stall_check_warning_time_seconds",
+                                             _number(float)),
+                    "shutdown_time_seconds": ("stall_check_shutdown_time_seconds",
+                                              _number(float))},
+    "logging": {"level": ("log_level", _log_level), "with_timestamp": None},
+    "autotune": {key: None for key in ("enabled", "log_file", "warmup_samples",
+                                       "steps_per_sample", "bayes_opt_max_samples",
+                                       "gaussian_process_noise")},
+    "library_options": {key: None for key in ("mpi_threads_disable", "num_nccl_streams",
+                                              "thread_affinity", "gloo_timeout_seconds")},
+}
+
+
+def apply_config_file(namespace: argparse.Namespace, path: str) -> None:
+    """Set what ``path`` (horovodrun's YAML config) says, where the command line said
+    nothing (options given there win, as in horovodrun). Unknown sections and keys are
+    reported as ignored; bad values raise ValueError naming the key."""
+    with open(path, encoding="utf-8") as f:
+        config = parse_config_yaml(f.read())
+    notes = list(getattr(namespace, "ignored", None) or [])
+    for section, values in config.items():
+        if section == "controller":
+            if str(values).lower() not in ("mpi", "gloo"):
+                raise ValueError("controller: %r is not mpi or gloo" % (values,))
+            if namespace.controller is None:
+                namespace.controller = str(values).lower()
+            continue
+        keys = CONFIG_KEYS.get(section)
+        if keys is None or not isinstance(values, dict):
+            notes.append("%s in %s (not a section horovodrun reads)" % (section, path))
+            continue
+        for key, value in values.items():
+            where = "%s.%s" % (section, key)
+            if key not in keys:
+                notes.append("%s in %s (not a key horovodrun reads)" % (where, path))
+                continue
+            if keys[key] is None:
+                notes.append("%s in %s (no meaning in ringsync)" % (where, path))
+                continue
+            dest, kind = keys[key]
+            if value is None or getattr(namespace, dest) is not None:
+                continue  # not set, or the command line's
+            if kind in (bool, "not"):
+                if not isinstance(value, bool):
+                    raise ValueError("%s: %r is not true or false" % (where, value))
+                value = (not value) if kind == "not" else value
+            else:
+                try:
+                    value = kind(value if kind is str else str(value))
+                except argparse.ArgumentTypeError as exc:
+                    raise ValueError("%s: %s" % (where, exc)) from None
+            setattr(namespace, dest, value)
+    namespace.ignored = notes
+
+
+def parse_config_yaml(text: str) -> dict:
+    """The subset of YAML that horovodrun's config file uses: top-level ``key: value``
+    pairs and sections of ``key: value`` pairs (one level of indentation), with
+    comments, quoted strings, booleans (true/false/yes/no/on/off), null, integers and
+    floats. Anything else (lists, nested sections, flow style) is a ValueError naming
+    the line. (Written here: PyYAML is not a dependency of ringsync.)"""
+    result, section = {}, None
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = _strip_comment(raw).rstrip()
+        if not line.strip() or line.strip() in ("---", "..."):
+            continue
+        if "\t" in line[:len(line) - len(line.lstrip())]:
+            raise ValueError("line %d: a tab in the indentation" % number)
+        match = re.match(r"^(\s*)([A-Za-z_][\w.-]*)\s*:(?:\s+(.*))?$", line)
+        if not match:
+            raise ValueError("line %d: expected 'key: value', got %r" % (number, raw.strip()))
+        indent, key, value = match.groups()
+        if not indent:
+            if value is None:
+                section = result[key] = {}
+            else:
+                result[key], section = _yaml_scalar(value, number), None
+        elif section is None:
+            raise ValueError("line %d: %r is indented but belongs to no section" % (number, key))
+        elif value is None:
+            raise ValueError("line %d: %r: nested sections are not supported" % (number, key))
+        else:
+            section[key] = _yaml_scalar(value, number)
+    return result
+
+
+def _strip_comment(line: str) -> str:
+    """``line`` without a ``#`` comment (a ``#`` inside quotes, or inside a word, stays)."""
+    quote = None
+    for i, char in enumerate(line):
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i]
+    return line
+
+
+def _yaml_scalar(text: str, number: int):
+    text = text.strip()
+    if text[:1] in "[{|>&*!":
+        raise ValueError("line %d: %r: only plain values are supported" % (number, text))
+    if len(text) >= 2 and text[0] == text[-1] == "'":
+        return text[1:-1].replace("''", "'")
+    if len(text) >= 2 and text[0] == text[-1] == '"':
+        return json.loads(text)
+    lowered = text.lower()
+    if lowered in ("null", "~", ""):
+        return None
+    if lowered in ("true", "yes", "on"):
+        return True
+    if lowered in ("false", "no", "off"):
+        return False
+    if re.fullmatch(r"[-+]?\d+", text):
+        return int(text)
+    if re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", text):
+        return float(text)
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:

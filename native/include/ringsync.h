@@ -233,7 +233,8 @@ rs_status_t rs_engine_abort(rs_engine_t *engine, const char *reason);
 /* Stops the thread and fails every pending handle; does not touch the communicator. */
 void rs_engine_destroy(rs_engine_t *engine);
 const char *rs_engine_last_error(rs_engine_t *engine);
-rs_status_t rs_engine_start_timeline(rs_engine_t *engine, const char *path);
+/* mark_cycles: an instant event (CYCLE_START) at the start of each negotiation round. */
+rs_status_t rs_engine_start_timeline(rs_engine_t *engine, const char *path, int mark_cycles);
 rs_status_t rs_engine_stop_timeline(rs_engine_t *engine);
 void rs_free(void *p);
 

@@ -437,6 +437,7 @@ static void *engine_main(void *arg) {
         if (n > 0 && e->config.cycle_time_ms > 0)
             gather_more(e, &batch, &n, &cap);
         peer_started = 0;
+        rs_timeline_cycle(&e->timeline, rs_now()); /* (locks: the timeline may start now) */
         rs_status_t st = run_round(e, batch, n);
         if (st != RS_OK) {
             fail_with_comm_error(e, st);
@@ -811,8 +812,8 @@ void rs_engine_destroy(rs_engine_t *e) {
     engine_free(e);
 }
 
-rs_status_t rs_engine_start_timeline(rs_engine_t *e, const char *path) {
-    rs_status_t st = rs_timeline_start(&e->timeline, path);
+rs_status_t rs_engine_start_timeline(rs_engine_t *e, const char *path, int mark_cycles) {
+    rs_status_t st = rs_timeline_start(&e->timeline, path, mark_cycles);
     if (st == RS_OK)
         return RS_OK;
     pthread_mutex_lock(&e->mu);

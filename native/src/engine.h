@@ -95,14 +95,17 @@ typedef struct {
     int events;
     rs_map_t tids; /* tensor name -> track id */
     int next_tid;
+    int mark_cycles; /* an instant event at the start of each negotiation round */
 } rs_timeline_t;
 
 void rs_timeline_init(rs_timeline_t *t, int rank);
-rs_status_t rs_timeline_start(rs_timeline_t *t, const char *path);
+rs_status_t rs_timeline_start(rs_timeline_t *t, const char *path, int mark_cycles);
 void rs_timeline_stop(rs_timeline_t *t);
 /* One span of a tensor's life: NEGOTIATE, COPY_IN, RING, COPY_OUT. */
 void rs_timeline_span(rs_timeline_t *t, const char *tensor, const char *phase, double start,
                       double end);
+/* CYCLE_START, an instant event on this rank's process, where mark_cycles is on. */
+void rs_timeline_cycle(rs_timeline_t *t, double now);
 
 /* ---- running ready tensors (execute.c) ---- */
 typedef struct {

@@ -45,7 +45,7 @@ static FILE *open_no_follow(const char *path) {
     return f;
 }
 
-rs_status_t rs_timeline_start(rs_timeline_t *t, const char *path) {
+rs_status_t rs_timeline_start(rs_timeline_t *t, const char *path, int mark_cycles) {
     pthread_mutex_lock(&t->mu);
     rs_status_t st = RS_OK;
     if (t->file) {
@@ -54,6 +54,7 @@ rs_status_t rs_timeline_start(rs_timeline_t *t, const char *path) {
         st = RS_ERR_SYSTEM;
     } else {
         t->events = 0;
+        t->mark_cycles = mark_cycles;
         fprintf(t->file, "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [");
         begin_event(t);
         fprintf(t->file, "{\"name\": \"process_name\", \"ph\": \"M\", \"pid\": %d, "
@@ -88,6 +89,16 @@ static int track_of(rs_timeline_t *t, const char *tensor) {
     write_json_string(t->file, tensor);
     fputs("}}", t->file);
     return (int)tid;
+}
+
+void rs_timeline_cycle(rs_timeline_t *t, double now) {
+    pthread_mutex_lock(&t->mu);
+    if (t->file && t->mark_cycles) {
+        begin_event(t);
+        fprintf(t->file, "{\"name\": \"CYCLE_START\", \"ph\": \"i\", \"s\": \"p\", "
+                "\"pid\": %d, \"tid\": 0, \"ts\": %.3f}", t->rank, now * 1e6);
+    }
+    pthread_mutex_unlock(&t->mu);
 }
 
 void rs_timeline_span(rs_timeline_t *t, const char *tensor, const char *phase, double start,

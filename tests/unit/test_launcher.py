@@ -34,8 +34,14 @@ def fake_mpi(monkeypatch):
 
 def dry_run(capsys, *argv):
     """The mpirun command `ringsync run --dry-run ...` prints, as a list."""
+    return dry_run_and_messages(capsys, *argv)[0]
+
+
+def dry_run_and_messages(capsys, *argv):
+    """(dry_run's command, what the launcher printed on stderr)."""
     assert launcher.main(["run", "--dry-run", *argv]) == 0
-    return shlex.split(capsys.readouterr().out)
+    printed = capsys.readouterr()
+    return shlex.split(printed.out), printed.err
 
 
 def program_part(command, first_word):
@@ -70,13 +76,14 @@ def oversubscribes_by_slot(command) -> bool:
 
 def test_oversubscribe_counts_slots_of_listed_hosts(fake_mpi, capsys):
     command = dry_run(capsys, "-np", "4", "-H", "a:2,b:2", "a.py")
-    assert "--oversubscribe" not in command and "--map-by" not in command
+    assert "--oversubscribe" not in command and not oversubscribes_by_slot(command)
+    assert command[command.index("--map-by") + 1] == "slot"  # horovodrun's placement
     assert command[command.index("-H") + 1] == "a:2,b:2"
     assert oversubscribes_by_slot(dry_run(capsys, "-np", "5", "-H", "a:2,b:2", "a.py"))
     assert oversubscribes_by_slot(dry_run(capsys, "-np", "3", "-H", "a,b", "a.py"))  # 1 slot each
     # The user's own mapping wins.
     command = dry_run(capsys, "-np", "5", "-H", "a:2,b:2", "--mpi-args=--map-by node", "a.py")
-    assert "slot:oversubscribe" not in command
+    assert "slot:oversubscribe" not in command and command.count("--map-by") == 1
     assert command[-4:] == ["--map-by", "node", sys.executable, "a.py"]
 
 
@@ -161,7 +168,8 @@ def test_no_mpirun_is_a_clear_error(monkeypatch, capsys):
 
 def test_verbose_prints_command_and_settings(fake_mpi, capsys, monkeypatch):
     launched = []
-    monkeypatch.setattr(launcher, "run_forwarding_signals", lambda cmd: launched.append(cmd) or 0)
+    monkeypatch.setattr(launcher, "run_forwarding_signals",
+                        lambda cmd, output=None: launched.append(cmd) or 0)
     monkeypatch.setenv("RINGSYNC_TIMEOUT_SECONDS", "30")
     assert launcher.main(["run", "-np", "2", "--verbose", "a.py"]) == 0
     err = capsys.readouterr().err
@@ -226,3 +234,201 @@ def test_doctor_works_without_the_native_core():
     native_line = [l for l in finished.stdout.splitlines() if l.startswith("native core:")]
     assert "not built" in native_line[0]
     assert "mpi4py" in finished.stdout
+
+
+# ---------------------------------------------------------------- horovodrun's options
+
+def settings_given(command) -> dict:
+    """{NAME: value} of the `-x NAME=value` pairs in an mpirun command."""
+    return dict(command[i + 1].split("=", 1) for i, word in enumerate(command)
+                if word == "-x" and "=" in command[i + 1])
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--fusion-threshold-mb", "32"], {"RINGSYNC_FUSION_THRESHOLD": str(32 * 1024 * 1024)}),
+    (["--fusion-threshold-mb", "0"], {"RINGSYNC_FUSION_THRESHOLD": "0"}),
+    (["--cycle-time-ms", "2.5"], {"RINGSYNC_CYCLE_TIME_MS": "2.5"}),
+    (["--cache-capacity", "2048"], {"RINGSYNC_CACHE_CAPACITY": "2048"}),
+    (["--hierarchical-allreduce"], {"RINGSYNC_HIERARCHICAL_ALLREDUCE": "on"}),
+    (["--no-hierarchical-allreduce"], {"RINGSYNC_HIERARCHICAL_ALLREDUCE": "off"}),
+    (["--timeline-filename", "t.json", "--timeline-mark-cycles"],
+     {"RINGSYNC_TIMELINE": "t.json", "RINGSYNC_TIMELINE_MARK_CYCLES": "1"}),
+    (["--stall-check-warning-time-seconds", "120"], {"RINGSYNC_STALL_CHECK_SECONDS": "120"}),
+    (["--stall-check-warning-time-seconds", "120", "--no-stall-check"],
+     {"RINGSYNC_STALL_CHECK_SECONDS": "0"}),  # disabling wins, as in Horovod
+    (["--stall-check-shutdown-time-seconds", "240"], {"RINGSYNC_TIMEOUT_SECONDS": "240"}),
+    (["--network-interfaces", "ib0,eth0", "--network-interface", "eth0",
+      "--network-interface", "lo"], {"RINGSYNC_IFACE": "ib0,eth0,lo"}),
+    (["--log-level", "DEBUG"], {"RINGSYNC_LOG_LEVEL": "debug"}),
+    (["--start-timeout", "45"], {"RINGSYNC_START_TIMEOUT_SECONDS": "45"}),
+    (["--elastic", "-H", "a:2,b:2", "--host-discovery-script", "d.sh", "--slots-per-host", "4"],
+     {"RINGSYNC_ELASTIC_SLOTS_PER_HOST": "4"}),
+])
+def test_horovodrun_options_become_settings(fake_mpi, capsys, argv, expected):
+    given = settings_given(dry_run(capsys, "-np", "2", *argv, "a.py"))
+    for name, value in expected.items():
+        assert given.get(name) == value, (argv, given)
+
+
+def test_an_option_replaces_the_variable_it_sets(fake_mpi, capsys, monkeypatch):
+    monkeypatch.setenv("RINGSYNC_CYCLE_TIME_MS", "9")
+    command = dry_run(capsys, "-np", "2", "--cycle-time-ms", "3", "a.py")
+    assert "RINGSYNC_CYCLE_TIME_MS" not in command  # not also the launcher's value
+    assert settings_given(command)["RINGSYNC_CYCLE_TIME_MS"] == "3"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--fusion-threshold-mb", "-1"], "argument --fusion-threshold-mb: '-1' must be zero or more"),
+    (["--cycle-time-ms", "soon"], "argument --cycle-time-ms: 'soon' is not a number"),
+    (["--cache-capacity", "1.5"], "argument --cache-capacity: '1.5' is not a whole number"),
+    (["--start-timeout", "0"], "argument --start-timeout: '0' must be positive"),
+    (["--log-level", "LOUD"], "argument --log-level: 'LOUD' is not one of TRACE, DEBUG"),
+    (["-p", "x"], "argument -p/--ssh-port: 'x' is not a whole number"),
+    (["--jsrun"], "--jsrun: ringsync run starts ranks with mpirun only"),
+])
+def test_bad_option_values_name_the_option(fake_mpi, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        launcher.main(["run", "-np", "2", *argv, "a.py"])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_options_without_meaning_here_are_reported_as_ignored(fake_mpi, capsys):
+    command, err = dry_run_and_messages(
+        capsys, "-np", "2", "--autotune", "--autotune-warmup-samples", "5",
+        "--num-nccl-streams", "2", "--thread-affinity", "1", "--gloo-timeout-seconds", "60",
+        "--disable-cache", "--blacklist-cooldown-range", "10", "100", "a.py")
+    assert command[-2:] == [sys.executable, "a.py"]  # every value was the option's
+    for flag in ("--autotune", "--autotune-warmup-samples", "--num-nccl-streams",
+                 "--thread-affinity", "--gloo-timeout-seconds", "--disable-cache",
+                 "--blacklist-cooldown-range"):
+        assert f"ringsync run: ignored: {flag} (" in err, flag
+    # Accepted controllers change nothing.
+    assert dry_run(capsys, "-np", "2", "--gloo", "--tcp", "a.py") == dry_run(
+        capsys, "-np", "2", "a.py")
+
+
+def test_ssh_port_and_identity_reach_the_ssh_launcher(fake_mpi, capsys, monkeypatch):
+    command = dry_run(capsys, "-np", "2", "-H", "a,b", "-p", "2222", "-i", "/k/id rsa", "a.py")
+    at = command.index("--prtemca")  # Open MPI 5 (PRRTE)
+    assert command[at + 1:at + 3] == ["plm_ssh_args", "-p 2222 -i '/k/id rsa'"]
+    monkeypatch.setattr(launcher, "open_mpi_major", lambda mpirun: 4)
+    command = dry_run(capsys, "-np", "2", "-H", "a,b", "--ssh-port", "2222", "a.py")
+    assert command[command.index("--mca") + 1:][:2] == ["plm_rsh_args", "-p 2222"]
+    assert "--prtemca" not in dry_run(capsys, "-np", "2", "a.py")
+
+
+def test_output_is_tagged_and_placed_as_horovodrun(fake_mpi, capsys):
+    command = dry_run(capsys, "-np", "2", "a.py")
+    assert "--tag-output" in command and "--timestamp-output" not in command
+    assert command[command.index("--bind-to") + 1] == "none"
+    assert command[command.index("--map-by") + 1] == "slot"
+    assert "--timestamp-output" in dry_run(capsys, "-np", "2", "--prefix-output-with-timestamp",
+                                           "a.py")
+    # The user's own placement wins.
+    command = dry_run(capsys, "-np", "2", "--binding-args=--bind-to core --map-by socket",
+                      "a.py")
+    assert command.count("--bind-to") == 1 and command.count("--map-by") == 1
+    assert command[command.index("--bind-to") + 1] == "core"
+    command = dry_run(capsys, "-np", "2", "--mpi-args=-bind-to socket", "a.py")
+    assert "--bind-to" not in command and command[command.index("--map-by") + 1] == "slot"
+
+
+def test_the_whole_environment_reaches_the_ranks(fake_mpi, capsys, monkeypatch):
+    for name, value in {"MY_DATA_DIR": "/data", "HOROVOD_FUSION_THRESHOLD": "1024",
+                        "OLDPWD": "/x", "BASH_FUNC_module%%": "() { :; }",
+                        "OMPI_COMM_WORLD_RANK": "3", "CUDA_VISIBLE_DEVICES": "0"}.items():
+        monkeypatch.setenv(name, value)
+    command = dry_run(capsys, "-np", "2", "a.py")
+    exported = {command[i + 1] for i, word in enumerate(command) if word == "-x"}
+    assert {"MY_DATA_DIR", "HOROVOD_FUSION_THRESHOLD", "PATH", "HOME"} <= exported
+    for name in ("OLDPWD", "BASH_FUNC_module%%", "OMPI_COMM_WORLD_RANK", "CUDA_VISIBLE_DEVICES"):
+        assert name not in exported, name
+
+
+def test_check_build_prints_doctor_and_exits(fake_mpi, monkeypatch):
+    calls = []
+    monkeypatch.setattr(launcher, "doctor", lambda: calls.append("doctor") or 0)
+    with pytest.raises(SystemExit) as exit_info:
+        launcher.main(["run", "--check-build"])  # no -np needed, as horovodrun's
+    assert exit_info.value.code == 0 and calls == ["doctor"]
+
+
+HOROVOD_CONFIG = """\
+# horovodrun --config-file
+controller: gloo
+params:
+  fusion_threshold_mb: 32      # MB
+  cycle_time_ms: 10
+  cache_capacity: 2048
+  hierarchical_allreduce: true
+  hierarchical_allgather: true
+autotune:
+  enabled: false
+timeline:
+  filename: 'horovod # timeline.json'
+  mark_cycles: yes
+stall_check:
+  enabled: false
+  warning_time_seconds: 120
+  shutdown_time_seconds: 240
+logging:
+  level: INFO
+"""
+
+
+def test_config_file_sets_what_the_command_line_does_not(fake_mpi, capsys, tmp_path):
+    config = tmp_path / "hvd.yaml"
+    config.write_text(HOROVOD_CONFIG)
+    command, err = dry_run_and_messages(capsys, "-np", "2", "--config-file", str(config),
+                                        "--cycle-time-ms", "3", "a.py")
+    given = settings_given(command)
+    assert given == {"RINGSYNC_FUSION_THRESHOLD": str(32 << 20),
+                     "RINGSYNC_CYCLE_TIME_MS": "3",  # the command line wins
+                     "RINGSYNC_CACHE_CAPACITY": "2048",
+                     "RINGSYNC_HIERARCHICAL_ALLREDUCE": "on",
+                     "RINGSYNC_TIMELINE": "horovod # timeline.json",
+                     "RINGSYNC_TIMELINE_MARK_CYCLES": "1",
+                     "RINGSYNC_STALL_CHECK_SECONDS": "0",  # stall_check.enabled: false
+                     "RINGSYNC_TIMEOUT_SECONDS": "240",
+                     "RINGSYNC_LOG_LEVEL": "info"}
+    assert "ignored: params.hierarchical_allgather in" in err
+    assert "ignored: autotune.enabled in" in err
+
+
+@pytest.mark.parametrize("text, message", [
+    ("params:\n  cycle_time_ms: -1\n", "params.cycle_time_ms: '-1' must be zero or more"),
+    ("timeline:\n  mark_cycles: 2\n", "timeline.mark_cycles: 2 is not true or false"),
+    ("controller: jsrun\n", "controller: 'jsrun' is not mpi or gloo"),
+    ("params:\n  - cycle_time_ms\n", "line 2: expected 'key: value'"),
+    ("params:\n  nested:\n    x: 1\n", "line 2: 'nested': nested sections are not supported"),
+    ("params:\n  cycle_time_ms: [1, 2]\n", "line 2: '[1, 2]': only plain values"),
+])
+def test_bad_config_files_are_usage_errors(fake_mpi, capsys, tmp_path, text, message):
+    config = tmp_path / "bad.yaml"
+    config.write_text(text)
+    with pytest.raises(SystemExit) as exit_info:
+        launcher.main(["run", "-np", "2", "--config-file", str(config), "a.py"])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_config_yaml_subset():
+    assert launcher.parse_config_yaml(
+        "a: 'it''s'\nb: \"x\\ty\"\nc: ~\nd: 1e3\ne: -4\nf: Off\ng: plain text # note\n"
+        "s:\n\n  k: v#not-a-comment\n") == {
+        "a": "it's", "b": "x\ty", "c": None, "d": 1000.0, "e": -4, "f": False,
+        "g": "plain text", "s": {"k": "v#not-a-comment"}}
+
+
+def test_output_files_split_the_tagged_lines_by_rank(tmp_path):
+    import io
+    files = launcher.OutputFiles(str(tmp_path / "out"), np=12)
+    console = io.BytesIO()
+    mpirun_output = (b"[1,0]<stdout>: zero\n[1,11]<stdout>: eleven\nmpirun says\n"
+                     b"[Tue Dec  1 16:01:53 2026][1,0]<stdout>: stamped\n")
+    files.pump(io.BytesIO(mpirun_output), console)
+    files.close()
+    assert console.getvalue() == mpirun_output  # the console sees everything
+    assert (tmp_path / "out/rank.00/stdout").read_bytes() == b"zero\nstamped\n"
+    assert (tmp_path / "out/rank.11/stdout").read_bytes() == b"eleven\n"

@@ -146,8 +146,10 @@ def test_doctor_prints_the_settings(monkeypatch, capsys):
 def test_exports_follow_the_settings_list(monkeypatch):
     environ = {"RINGSYNC_ELASTIC_MIN_NP": "2", "RINGSYNC_TEST_DIR": "/tmp/x",
                "RINGSYNC_FUSION_THRESHOLD": "1", "PATH": "/bin", "OTHER": "y"}
+    # Settings first (Config's order), then other RINGSYNC_*, then the rest, sorted.
     assert launcher.exported_variables(environ) == [
-        "RINGSYNC_FUSION_THRESHOLD", "RINGSYNC_ELASTIC_MIN_NP", "RINGSYNC_TEST_DIR", "PATH"]
+        "RINGSYNC_FUSION_THRESHOLD", "RINGSYNC_ELASTIC_MIN_NP", "RINGSYNC_TEST_DIR", "OTHER",
+        "PATH"]
     options = launcher.RunOptions(np=2, program=["a.py"], elastic=True, min_np=2, respawn=True)
     names = {f.name: s.env for f, s in setting_fields()}
     assert launcher.elastic_settings(options) == {names["elastic_min_np"]: "2",
@@ -164,3 +166,71 @@ def test_spin_bound_is_infinite_safe():
     with pytest.raises(UsageError, match="RINGSYNC_SPIN_US='inf' must be"):
         Config.from_env({"RINGSYNC_SPIN_US": "inf"})
     assert math.isinf(Config.from_env({"RINGSYNC_TIMEOUT_SECONDS": "inf"}).timeout_seconds)
+
+
+# ---------------------------------------------------------------- Horovod's variables
+
+@pytest.mark.parametrize("environ, field, value", [
+    ({"HOROVOD_FUSION_THRESHOLD": "1048576"}, "fusion_threshold", 1 << 20),  # bytes both
+    ({"HOROVOD_CYCLE_TIME": "3.5"}, "cycle_time_ms", 3.5),  # ms both
+    ({"HOROVOD_CACHE_CAPACITY": "0"}, "cache_capacity", 0),
+    ({"HOROVOD_TIMELINE": "/tmp/hvd.json"}, "timeline", "/tmp/hvd.json"),
+    ({"HOROVOD_TIMELINE": "DYNAMIC"}, "timeline", None),  # start_timeline() always works
+    ({"HOROVOD_TIMELINE_MARK_CYCLES": "1"}, "timeline_mark_cycles", 1),
+    ({"HOROVOD_TIMELINE_MARK_CYCLES": "true"}, "timeline_mark_cycles", 0),  # strtol, as Horovod
+    ({"HOROVOD_STALL_CHECK_TIME_SECONDS": "30"}, "stall_check_seconds", 30.0),
+    ({"HOROVOD_STALL_CHECK_DISABLE": "1", "HOROVOD_STALL_CHECK_TIME_SECONDS": "30"},
+     "stall_check_seconds", 0.0),
+    ({"HOROVOD_STALL_CHECK_DISABLE": "0", "HOROVOD_STALL_CHECK_TIME_SECONDS": "30"},
+     "stall_check_seconds", 30.0),
+    ({"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "240"}, "timeout_seconds", 240.0),
+    ({"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}, "hierarchical_allreduce", "on"),
+    ({"HOROVOD_HIERARCHICAL_ALLREDUCE": "0"}, "hierarchical_allreduce", "off"),
+    ({"HOROVOD_LOG_LEVEL": "DEBUG"}, "log_level", "debug"),
+    ({"HOROVOD_LOG_LEVEL": "chatty"}, "log_level", "warning"),  # Horovod's fallback
+    ({"HOROVOD_GLOO_IFACE": "eth1"}, "iface", "eth1"),
+    ({"HOROVOD_START_TIMEOUT": "45"}, "start_timeout_seconds", 45.0),
+    # RINGSYNC_* wins over Horovod's variable.
+    ({"HOROVOD_CYCLE_TIME": "3.5", "RINGSYNC_CYCLE_TIME_MS": "7"}, "cycle_time_ms", 7.0),
+    ({"HOROVOD_STALL_CHECK_DISABLE": "1", "RINGSYNC_STALL_CHECK_SECONDS": "9"},
+     "stall_check_seconds", 9.0),
+])
+def test_horovod_variables_are_aliases(environ, field, value):
+    assert getattr(Config.from_env(environ), field) == value
+
+
+def test_every_alias_is_a_horovod_variable_read_once():
+    seen = [a.env for _, setting in setting_fields() for a in setting.aliases]
+    assert len(seen) == len(set(seen)) and all(name.startswith("HOROVOD_") for name in seen)
+
+
+def test_a_bad_alias_value_names_the_horovod_variable():
+    with pytest.raises(UsageError, match="HOROVOD_FUSION_THRESHOLD='64MB' is not a whole"):
+        Config.from_env({"HOROVOD_FUSION_THRESHOLD": "64MB"})
+
+
+def test_doctor_names_the_horovod_variable_a_value_comes_from():
+    lines = launcher.settings_report({"HOROVOD_CYCLE_TIME": "3.5", "HOROVOD_AUTOTUNE": "1",
+                                      "HOROVOD_STALL_CHECK_DISABLE": "1"})
+    by_name = {l.split("=")[0].split()[0]: l for l in lines}
+    assert re.search(r"RINGSYNC_CYCLE_TIME_MS=3.5 +environment \(HOROVOD_CYCLE_TIME\)",
+                     by_name["RINGSYNC_CYCLE_TIME_MS"])
+    assert re.search(r"RINGSYNC_STALL_CHECK_SECONDS=0 +environment "
+                     r"\(HOROVOD_STALL_CHECK_DISABLE\) \(0: never\)",
+                     by_name["RINGSYNC_STALL_CHECK_SECONDS"])
+    assert "a Horovod variable ringsync does not read" in by_name["HOROVOD_AUTOTUNE"]
+
+
+def test_readme_names_each_settings_horovod_variable():
+    rows = readme_settings_rows()
+    for _, setting in setting_fields():
+        for alias in setting.aliases:
+            assert f"`{alias.env}`" in rows[setting.env][4], setting.env
+
+
+def test_log_level_threshold():
+    from ringsync.config import log_enabled
+    assert log_enabled("warning", {}) and not log_enabled("info", {})
+    assert log_enabled("info", {"HOROVOD_LOG_LEVEL": "info"})
+    assert not log_enabled("warning", {"RINGSYNC_LOG_LEVEL": "ERROR"})
+    assert log_enabled("warning", {"RINGSYNC_LOG_LEVEL": "nonsense"})  # init() names it

@@ -1,0 +1,156 @@
+"""The timeline of one communicator: one Chrome-trace JSON file with every rank's events.
+
+Each rank's engine writes its own events (pid = the rank, one track per tensor) to a
+private file next to the requested one (``.<name>.rank<r>.<random>.part``). When the
+timeline stops (``stop_timeline()`` or ``shutdown()``, both collective then), the ranks
+that asked for the same path as rank 0 send their events to rank 0 (an alltoall with
+every split but rank 0's empty), which writes the one file; a rank that asked for another
+path writes its own events there. Where that exchange cannot happen (a broken ring, an
+elastic recovery, a rank gone) each rank keeps its own events in ``<path>.rank<r>`` and
+says so on stderr.
+
+Timestamps are each rank's CLOCK_MONOTONIC in µs; events of a rank on another host than
+rank 0 are shifted by the difference of the two hosts' wall clocks, so they line up as
+well as the hosts' clocks agree.
+"""
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from .config import log_enabled
+from .errors import UsageError
+
+
+def _check_writable(path: str) -> None:
+    """Refuse a symbolic link at ``path`` (someone else's file would be overwritten) or a
+    place that cannot be written, now rather than when the timeline stops."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise UsageError(f"ringsync.start_timeline: cannot open the timeline file (a symbolic "
+                         f"link there is refused) '{path}': {exc.strerror}") from None
+    os.close(fd)
+
+
+def _note(text: str, level: str = "warning") -> None:
+    if log_enabled(level):
+        sys.stderr.write(f"ringsync: {text}\n")
+        sys.stderr.flush()
+
+
+def merge_traces(parts, shifts_us=None) -> dict:
+    """One Chrome trace of several ranks' traces (parsed JSON objects), their events
+    shifted by ``shifts_us`` (one per part, µs; default none)."""
+    events = []
+    for i, trace in enumerate(parts):
+        shift = shifts_us[i] if shifts_us else 0.0
+        for event in trace.get("traceEvents", []):
+            if shift and "ts" in event:
+                event = dict(event, ts=event["ts"] + shift)
+            events.append(event)
+    return {"displayTimeUnit": "ms", "traceEvents": events}
+
+
+def _write_replacing(path: str, data: bytes) -> None:
+    """Write ``path`` through a new file renamed over it: a symbolic link there is
+    replaced, never followed."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+                               dir=os.path.dirname(os.path.abspath(path)))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+class Timeline:
+    """The timeline of ``comm`` (a Communicator); at most one at a time."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.path = None  # what the user asked for
+        self.part = None  # where this rank's engine writes
+
+    @property
+    def active(self) -> bool:
+        return self.path is not None
+
+    def start(self, path, mark_cycles: bool = False) -> None:
+        path = os.fspath(path)
+        if self.active:
+            raise UsageError(f"ringsync.start_timeline: a timeline is already being written "
+                             f"to '{self.path}'; cannot start '{path}' (stop_timeline() first)")
+        _check_writable(path)
+        fd, part = tempfile.mkstemp(
+            prefix=f".{os.path.basename(path)}.rank{self.comm.rank()}.", suffix=".part",
+            dir=os.path.dirname(os.path.abspath(path)))
+        os.close(fd)
+        try:
+            self.comm._ring.start_timeline(part, mark_cycles)
+        except BaseException:
+            os.unlink(part)
+            raise
+        self.path, self.part = path, part
+
+    def stop(self, gather: bool = True) -> None:
+        """Close this rank's events and write the file (collective when ``gather``: every
+        rank of the communicator must stop too); without ``gather``, or where gathering
+        fails, this rank's events go to ``<path>.rank<r>``."""
+        if not self.active:
+            return
+        path, part = self.path, self.part
+        self.path = self.part = None
+        if not self.comm.closed:
+            self.comm._ring.stop_timeline()
+        try:
+            with open(part, "rb") as f:
+                mine = f.read()
+        except OSError as exc:
+            _note(f"rank {self.comm.rank()}: the timeline's events are lost ({exc})")
+            return
+        if gather and not self.comm.closed and not self.comm._ring.broken:
+            try:
+                self._gather(path, mine)
+                os.unlink(part)
+                return
+            except Exception as exc:  # a rank gone, a broken ring: keep what we have
+                why = f"{type(exc).__name__}: {exc}"
+        else:
+            why = "the communicator is broken or closed"
+        own = f"{path}.rank{self.comm.rank()}"
+        os.replace(part, own)
+        _note(f"rank {self.comm.rank()}: the timeline could not be gathered to rank 0 ({why}); "
+              f"this rank's events are in {own}")
+
+    def _gather(self, path: str, mine: bytes) -> None:
+        comm = self.comm
+        from .objects import allgather_object
+        me = (os.path.abspath(path), comm.host_names[comm.rank()], time.time() - time.monotonic())
+        everyone = allgather_object(me, name="ringsync.timeline.ranks", process_set=comm)
+        joins = everyone[0][0] == me[0]
+        send = np.frombuffer(mine if joins else b"", np.uint8)
+        splits = [send.size] + [0] * (comm.size() - 1)
+        data, sizes = comm.alltoall(send, splits=splits, name="ringsync.timeline.events")
+        if not joins:
+            _write_replacing(path, mine)  # its own path: its own events
+            return
+        if comm.rank() != 0:
+            return
+        data = data.tobytes()
+        parts, shifts, start = [], [], 0
+        for rank, size in enumerate(int(n) for n in sizes):
+            if size:
+                parts.append(json.loads(data[start:start + size]))
+                host, clock = everyone[rank][1], everyone[rank][2]
+                shifts.append((clock - everyone[0][2]) * 1e6 if host != everyone[0][1] else 0.0)
+            start += size
+        _write_replacing(path, json.dumps(merge_traces(parts, shifts)).encode())
+        _note(f"timeline of {len(parts)} ranks written to {path}", "info")
