@@ -1,5 +1,6 @@
 """horovod.tensorflow's API, called as a Horovod user calls it (tests/mpi/horovod_tf_bodies.py,
-several bodies per job: see tests/mpi/in_order.py)."""
+which also runs tests/mpi/tf_bodies.py's bodies), several bodies per job: importing
+TensorFlow takes seconds (see tests/mpi/in_order.py)."""
 import pytest
 
 pytest.importorskip("tensorflow")
@@ -13,7 +14,8 @@ pytestmark = pytest.mark.requires_mpirun
 MODULE = "tests.mpi.horovod_tf_bodies"
 ENV = {"RINGSYNC_TIMEOUT_SECONDS": "60", "OMP_NUM_THREADS": "1", "TF_NUM_INTEROP_THREADS": "2",
        "TF_NUM_INTRAOP_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
-BODIES = ["collectives_as_horovod_calls_them", "collectives_inside_tf_function",
+BODIES = ["collectives_eager_and_in_tf_function", "broadcast_variables_and_objects",
+          "tape_training_matches_one_process", "collectives_as_horovod_calls_them", "collectives_inside_tf_function",
           "gradients_by_horovods_rules", "errors_leave_the_next_call_working",
           "tape_and_optimizer_arguments", "process_sets_in_tensorflow",
           "sync_batch_norm_uses_the_global_batch"]

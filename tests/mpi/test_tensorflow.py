@@ -19,21 +19,7 @@ ENV = {"RINGSYNC_TIMEOUT_SECONDS": "60", "OMP_NUM_THREADS": "1", "TF_NUM_INTEROP
        "TF_NUM_INTRAOP_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
 
 
-BODIES = ["collectives_eager_and_in_tf_function", "gradients_through_collectives",
-          "sparse_gradients_are_gathered", "broadcast_variables_and_objects"]
-
-
-@pytest.mark.parametrize("np", [1, 3])
-def test_tensorflow(np):
-    """Every body, one after another in one job (see tests/mpi/in_order.py)."""
-    assert_mpi_ok(in_order.TARGET, np=np, timeout=400, env=ENV,
-                  args=in_order.args_for(MODULE, BODIES))
-
-
-def test_tape_training_matches_one_process():
-    assert_mpi_ok(in_order.TARGET, np=2, timeout=400, env=ENV,
-                  args=in_order.args_for(MODULE, ["tape_training_matches_one_process"],
-                                         [("float64",), ("float32",)]))
+# (tests/mpi/test_horovod_tensorflow.py runs tf_bodies' bodies too, in its jobs)
 
 
 def test_torch_tensorflow_and_numpy_ranks_in_one_job():

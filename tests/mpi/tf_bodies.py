@@ -1,4 +1,5 @@
-"""TensorFlow adapter bodies, run on every rank under mpirun."""
+"""TensorFlow adapter bodies, run on every rank under mpirun (gradients, sparse gradients
+and the tape's arguments: tests/mpi/horovod_tf_bodies.py)."""
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -56,32 +57,6 @@ def collectives_eager_and_in_tf_function():
     hvd.shutdown()
 
 
-def gradients_through_collectives():
-    hvd.init()
-    me, size = hvd.rank(), hvd.size()
-    x = tf.Variable(tf.random.normal([4], dtype=tf.float64))
-    w = tf.constant([1.0, 2.0, 3.0, 4.0], dtype=tf.float64)
-    with tf.GradientTape() as tape:
-        loss = tf.reduce_sum(hvd.allreduce(x, op=hvd.Sum, name="g.sum") * w * (me + 1))
-    assert np.allclose(tape.gradient(loss, x).numpy(), w.numpy() * sum(range(1, size + 1)))
-    rows = tf.Variable(tf.ones([me + 1, 2], dtype=tf.float64))
-    with tf.GradientTape() as tape:
-        y = hvd.allgather(rows, name="g.gather")
-        idx = tf.cast(tf.range(tf.shape(y)[0]), tf.float64)[:, None]
-        loss = tf.reduce_sum(y * idx * (me + 1))
-    # Horovod's rule: the ranks' upstream gradients averaged, then this rank's rows.
-    start = sum(r + 1 for r in range(me))
-    mean_weight = sum(range(1, size + 1)) / size
-    expected = np.arange(start, start + me + 1)[:, None] * mean_weight * np.ones((1, 2))
-    assert np.allclose(tape.gradient(loss, rows).numpy(), expected)
-    b = tf.Variable(tf.ones([3], dtype=tf.float64))
-    with tf.GradientTape() as tape:
-        loss = tf.reduce_sum(hvd.broadcast(b, root_rank=size - 1, name="g.bcast") * (me + 1))
-    grad = tape.gradient(loss, b).numpy()
-    assert np.allclose(grad, sum(range(1, size + 1)) / size if me == size - 1 else 0.0)
-    hvd.shutdown()
-
-
 def _model_weights(dtype):
     rng = np.random.default_rng(1234)  # identical start on every rank
     return [tf.Variable(rng.normal(size=(6, 8)).astype(dtype)),
@@ -121,24 +96,6 @@ def tape_training_matches_one_process(dtype="float64"):
     for a, b in zip(dist, ref):
         err = np.abs(a.numpy() - b.numpy()).max() / np.abs(b.numpy()).max()
         assert err < rtol, f"{dtype}: off by {err:.2e}"
-    hvd.shutdown()
-
-
-def sparse_gradients_are_gathered():
-    hvd.init()
-    me, size = hvd.rank(), hvd.size()
-    table = tf.Variable(tf.ones((size + 2, 3), dtype=tf.float64))
-    for sparse_as_dense in (False, True):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(tf.nn.embedding_lookup(table, [me, size + 1]))
-        grad = hvd.DistributedGradientTape(tape, sparse_as_dense=sparse_as_dense).gradient(
-            loss, [table])[0]
-        assert isinstance(grad, tf.IndexedSlices) != sparse_as_dense
-        dense = tf.convert_to_tensor(grad).numpy()
-        expected = np.zeros((size + 2, 3))
-        expected[:size] = 1.0 / size
-        expected[size + 1] = 1.0
-        assert np.allclose(dense, expected), (sparse_as_dense, dense)
     hvd.shutdown()
 
 
