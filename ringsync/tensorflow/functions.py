@@ -1,6 +1,5 @@
 """Variables and Python objects between ranks (horovod.tensorflow.functions)."""
 from ringsync import objects
-from ringsync.errors import UsageError
 
 from .mpi_ops import PS, _name, broadcast, broadcast_
 
@@ -40,8 +39,9 @@ def allgather_object(obj, session=None, name=None, process_set=PS):
 
 
 def broadcast_global_variables(root_rank):
-    """TensorFlow 1's global variables collection does not exist in TensorFlow 2."""
-    raise UsageError("ringsync.tensorflow.broadcast_global_variables: TensorFlow 2 has no "
+    """TensorFlow 1's global variables collection does not exist in TensorFlow 2: a
+    RuntimeError, as Horovod's in eager mode."""
+    raise RuntimeError("ringsync.tensorflow.broadcast_global_variables: TensorFlow 2 has no "
                      "global variables collection; use broadcast_variables(model.variables, "
                      "root_rank) (Keras: BroadcastGlobalVariablesCallback)")
 

@@ -236,7 +236,7 @@ def horovod_keras_api():
                        np.full((1, 2), sum(range(size))))
     try:
         hvd.broadcast_global_variables(0)
-    except ValueError as e:
+    except RuntimeError as e:
         assert "BroadcastGlobalVariablesCallback" in str(e)
     else:
         raise AssertionError("broadcast_global_variables passed silently")

@@ -238,8 +238,9 @@ def reducescatter(value, name=None, op=Average):
 
 
 def broadcast_global_variables(root_rank):
-    """Keras 3 has no global variables collection (TensorFlow 1's)."""
-    raise UsageError("ringsync.tensorflow.keras.broadcast_global_variables: Keras 3 has no "
+    """Keras 3 has no global variables collection (TensorFlow 1's): a RuntimeError, as
+    Horovod's in eager mode."""
+    raise RuntimeError("ringsync.tensorflow.keras.broadcast_global_variables: Keras 3 has no "
                      "global variables; use BroadcastGlobalVariablesCallback(root_rank) with "
                      "fit(), or broadcast_variables(model.variables, root_rank)")
 
