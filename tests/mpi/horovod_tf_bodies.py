@@ -14,6 +14,8 @@ import tensorflow as tf  # noqa: E402
 
 import ringsync.tensorflow as hvd  # noqa: E402
 
+from .reference import reference_adasum  # noqa: E402
+
 # The adapter's own bodies, run in the same jobs (one TensorFlow import for all):
 from .tf_bodies import (broadcast_variables_and_objects,  # noqa: E402,F401
                         collectives_eager_and_in_tf_function, tape_training_matches_one_process)
@@ -65,6 +67,9 @@ def collectives_as_horovod_calls_them():
     for op, reduce in ((hvd.Min, np.minimum.reduce), (hvd.Max, np.maximum.reduce),
                        (hvd.Product, np.multiply.reduce)):
         _close(hvd.allreduce(x, op=op), reduce([_x(r) for r in range(size)]), what=str(op))
+    # Adasum, against the core's tree order computed from every rank's input
+    _close(hvd.allreduce(tf.constant(_x(me) + 1), op=hvd.Adasum),
+           reference_adasum([_x(r) + 1 for r in range(size)]), what="Adasum")
     # grouped_allreduce(tensors, average, device_dense, device_sparse, compression, op,
     #                   prescale, postscale, process_set, ignore_name_scope, name)
     a, b = hvd.grouped_allreduce([x, 2 * x], None, '', '', hvd.Compression.none, hvd.Max,
