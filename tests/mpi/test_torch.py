@@ -33,17 +33,12 @@ TRAINING = [("sgd", "float64", "1", "none"), ("sgd", "float64", "2", "none"),
 
 @pytest.mark.parametrize("np", [1, 2, 3])
 def test_torch(np):
-    """Every body, one after another in one job (see tests/mpi/in_order.py)."""
-    assert_mpi_ok(in_order.TARGET, np=np, timeout=400, env=ENV,
-                  args=in_order.args_for(MODULE, BODIES))
-
-
-@pytest.mark.parametrize("np", [2, 3])
-def test_training_matches_one_process(np):
-    """DistributedOptimizer on 1/np of each batch ends where one process does, for every
+    """Every body, one after another in one job (see tests/mpi/in_order.py); with several
+    ranks, then DistributedOptimizer on 1/np of each batch against one process, for every
     optimizer x dtype x backward_passes_per_step x compression in TRAINING."""
+    training = in_order.args_for(MODULE, ["training_matches_one_process"], TRAINING)[1:]
     assert_mpi_ok(in_order.TARGET, np=np, timeout=400, env=ENV,
-                  args=in_order.args_for(MODULE, ["training_matches_one_process"], TRAINING))
+                  args=(MODULE, *BODIES, *(training if np > 1 else ())))
 
 
 def test_pytorch_digits_example_reaches_95_percent():
