@@ -28,6 +28,26 @@ def resolve_op(average, op, what: str):
     return ReduceOp.AVERAGE if op is None else op
 
 
+def groups_from_num_groups(num_groups, groups):
+    """Horovod's deprecated num_groups=: a warning, and the groups it stands for."""
+    if num_groups:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be "
+                      "removed in v0.23.0.", DeprecationWarning, stacklevel=4)
+        return num_groups if groups is None else groups
+    return groups
+
+
+def near_equal_runs(items, count: int):
+    """items cut, in order, into `count` runs of nearly equal length (the first ones one
+    longer): Horovod's groups=N."""
+    from ._core import even_split
+    runs, start = [], 0
+    for n in even_split(len(items), count):
+        runs.append(list(items[start:start + n]))
+        start += n
+    return runs
+
+
 def grad_name(name: Optional[str]) -> Optional[str]:
     """The name of the collective that carries the gradient of collective `name`."""
     return None if name is None else f"{name}.grad"

@@ -2,12 +2,12 @@
 and the reduction rules that they and the Keras DistributedOptimizer share (Horovod's
 arguments: compression, op, gradient_predivide_factor, groups, sparse_as_dense, process
 sets, local sources and scale_local_gradients)."""
-import warnings
 import zlib
 
 import tensorflow as tf
 
 from ringsync import Average, ReduceOp
+from ringsync._adapters import groups_from_num_groups, near_equal_runs
 from ringsync.errors import UsageError
 
 from .compression import Compression
@@ -38,11 +38,7 @@ class GradientReducer:
             raise UsageError(f"ringsync.tensorflow.{what}: gradient_predivide_factor="
                              f"{gradient_predivide_factor} applies to op=Average only, "
                              f"got op={op.name}")
-        if num_groups:
-            warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be "
-                          "removed in v0.23.0.", DeprecationWarning, stacklevel=3)
-            groups = num_groups if groups is None else groups
-        self.groups = _check_groups(groups, what)
+        self.groups = _check_groups(groups_from_num_groups(num_groups, groups), what)
         self.compression, self.op = compression, op
         self.predivide = float(gradient_predivide_factor)
         self.sparse_as_dense, self.process_set = sparse_as_dense, process_set
@@ -103,10 +99,7 @@ class GradientReducer:
         if self.groups is None:
             return [shared]
         if isinstance(self.groups, int):
-            n = min(self.groups, len(shared))
-            sizes = [len(shared) // n + (k < len(shared) % n) for k in range(n)]
-            starts = [sum(sizes[:k]) for k in range(n)]
-            return [shared[s:s + size] for s, size in zip(starts, sizes)]
+            return [run for run in near_equal_runs(shared, self.groups) if run]
         group_of = {variable_key(v): k for k, group in enumerate(self.groups) for v in group}
         runs = {}
         for i in shared:

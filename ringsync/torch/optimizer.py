@@ -15,6 +15,7 @@ import torch
 
 from ringsync import Average, ReduceOp
 from ringsync.process_sets import global_process_set
+from ringsync._adapters import groups_from_num_groups, near_equal_runs
 from ringsync._core import prepare_allreduce_
 from ringsync.errors import UsageError
 
@@ -323,21 +324,14 @@ def _check_passes(passes) -> None:
 def _gradient_groups(params, num_groups, groups):
     """parameter -> its group (a tuple of parameters, in optimizer order), for the
     parameters reduced in groups; the others are reduced one by one."""
-    if num_groups:
-        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be "
-                      "removed in v0.23.0.", DeprecationWarning, stacklevel=3)
-        groups = num_groups if groups is None else groups
+    groups = groups_from_num_groups(num_groups, groups)
     if groups is None:
         return {}
     if isinstance(groups, int) and not isinstance(groups, bool):
         if groups < 1:
             raise UsageError(f"groups should be a positive int or a list of lists of "
                              f"parameters, got {groups}")
-        sizes = [len(params) // groups + (i < len(params) % groups) for i in range(groups)]
-        runs, start = [], 0
-        for n in sizes:
-            runs.append(params[start:start + n])
-            start += n
+        runs = near_equal_runs(params, groups)
     else:
         runs = [list(g) for g in groups]
         flat = [p for g in runs for p in g]
