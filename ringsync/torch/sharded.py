@@ -1,0 +1,466 @@
+"""ShardedOptimizer: ZeRO stages 1 and 2 for PyTorch, built from the core's allreduce,
+reducescatter and allgather over a process set.
+
+The trainable parameters are laid end to end, one flat run per dtype (in the optimizer's
+parameter order), and each rank of the set owns one contiguous slice of each run, split as
+even_split splits (the first ranks one element more): balanced by bytes. Each rank keeps a
+master copy of its slice only (fp32 for fp16/bf16 parameters), and a new optimizer of the
+wrapped one's class, with the same hyperparameters per param group, is built over those
+slices — so torch's own Adam/SGD/... arithmetic runs unchanged, and its state (momentum,
+exp_avg, ...) exists for this rank's slice only.
+
+step(): gradients are averaged over the set (as DistributedOptimizer's op=Average), every
+rank steps its slice, and the updated slices are allgathered into the full parameters.
+- stage 1: gradients are allreduced (p.grad then holds the average, as with
+  DistributedOptimizer); this rank's slice of it feeds its optimizer.
+- stage 2: gradients are reduce-scattered: each rank receives its slice of the average only
+  and every full p.grad is dropped (set to None).
+The reduction happens in step() (or an explicit synchronize()), after backward: it is not
+overlapped with backward yet. offload=True keeps the master slices, their gradients and the
+optimizer state in a separate host (CPU) buffer, pinned when CUDA is there, and steps there.
+"""
+import contextlib
+import copy
+import itertools
+
+import torch
+
+from ringsync import Average
+from ringsync._core import even_split
+from ringsync.errors import UsageError
+from ringsync.objects import allgather_object
+from ringsync.process_sets import global_process_set
+
+from . import mpi_ops
+
+_instances = itertools.count()  # collective names of each optimizer, in construction order
+_WIDENED = (torch.float16, torch.bfloat16)  # their master copies are float32
+
+
+class _Run:
+    """The trainable parameters of one dtype laid end to end; this rank owns [lo, hi)."""
+
+    def __init__(self, dtype, params, rank, size):
+        self.dtype, self.params = dtype, params
+        self.offsets = list(itertools.accumulate((p.numel() for p in params), initial=0))
+        self.numel = self.offsets[-1]
+        self.counts = even_split(self.numel, size)
+        self.starts = list(itertools.accumulate(self.counts, initial=0))
+        self.lo, self.hi = self.starts[rank], self.starts[rank + 1]
+
+
+
+class _Shard:
+    """This rank's part of one param group's parameters of one dtype: elements [a, b) of
+    run `run`, where the group occupies [start, stop)."""
+
+    def __init__(self, group, run, start, stop, rank):
+        self.group, self.run, self.start, self.stop = group, run, start, stop
+        self.a, self.b = self.range_of(rank)
+        self.master = None  # the torch.nn.Parameter the inner optimizer steps
+
+    def params(self):
+        """The group's parameters of this dtype (all of them, not only this rank's)."""
+        return [p for p, off in zip(self.run.params, self.run.offsets)
+                if self.start <= off < self.stop]
+
+    def range_of(self, rank):
+        lo, hi = self.run.starts[rank], self.run.starts[rank + 1]
+        a = min(max(lo, self.start), self.stop)
+        return a, max(a, min(hi, self.stop))
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    def __init__(self, optimizer, named_parameters=None, stage=1,
+                 process_set=global_process_set, offload=False):
+        """optimizer: a torch.optim.Optimizer over the full model, not stepped yet (or its
+        state is imported as with load_state_dict). It is kept for its param_groups
+        (which LR schedulers change; step() passes every hyperparameter on) and rebuilt
+        as `type(optimizer)(groups, **optimizer.defaults)` over this rank's slices.
+        named_parameters: names for messages. stage: 1 (optimizer state sharded) or 2
+        (gradients too). process_set: the ranks that share the work (a ProcessSet or
+        Communicator). offload: master slices and optimizer state in host memory.
+        Parameters with requires_grad=False are not sharded and never updated."""
+        # No super().__init__(), as DistributedOptimizer: the param_groups are the wrapped
+        # optimizer's own (see the properties below).
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise UsageError(f"ShardedOptimizer wraps a torch.optim.Optimizer, got "
+                             f"{type(optimizer).__name__}")
+        if isinstance(stage, bool) or stage not in (1, 2):
+            raise UsageError(f"ShardedOptimizer: stage must be 1 or 2, got {stage!r} (stage 3, "
+                             "sharded parameters, is not built yet)")
+        if not isinstance(offload, bool):
+            raise UsageError(f"ShardedOptimizer: offload must be True or False, got {offload!r}")
+        self._optimizer, self._stage, self._offload = optimizer, stage, offload
+        self._process_set = process_set
+        comm = mpi_ops._comm(process_set)
+        self._rank, self._size = comm.rank(), comm.size()
+        self._prefix = f"zero.opt{next(_instances)}"
+        self._all = [p for g in optimizer.param_groups for p in g["params"]]
+        names = _names(self._all, named_parameters)
+        self._device = _check_parameters(self._all, names)
+        self._runs = {}  # dtype -> _Run, in order of first appearance
+        trainable = [p for p in self._all if p.requires_grad]
+        for p in trainable:
+            self._runs.setdefault(p.dtype, [])
+        self._runs = {d: _Run(d, [p for p in trainable if p.dtype is d], self._rank, self._size)
+                      for d in self._runs}
+        self._shards = self._make_shards(optimizer.param_groups)
+        self._inner = self._make_inner(optimizer)
+        self._reduced = False
+        self._should_synchronize = True
+        if optimizer.state:  # a stepped optimizer: keep what it learnt
+            self.load_state_dict(optimizer.state_dict())
+            optimizer.state.clear()
+
+    # ---- construction ----
+
+    def _make_shards(self, groups):
+        shards, position = [], {d: 0 for d in self._runs}
+        host = torch.device("cpu") if self._offload else self._device
+        for gi, group in enumerate(groups):
+            for dtype, run in self._runs.items():
+                members = [p for p in group["params"] if p.requires_grad and p.dtype is dtype]
+                if not members:
+                    continue
+                start = position[dtype]
+                position[dtype] = start + sum(p.numel() for p in members)
+                shard = _Shard(gi, run, start, position[dtype], self._rank)
+                values = _flat([p.detach() for p in members], shard.a - start,
+                               shard.b - start)
+                master = values.to(device=host, dtype=_master_dtype(dtype), copy=True)
+                if self._offload and host != self._device and torch.cuda.is_available():
+                    master = master.pin_memory()
+                shard.master = torch.nn.Parameter(master)
+                shards.append(shard)
+        return shards
+
+    def _make_inner(self, optimizer):
+        groups = [dict(_hyperparameters(g), params=[s.master for s in self._shards
+                                                    if s.group == gi])
+                  for gi, g in enumerate(optimizer.param_groups)]
+        cls = type(optimizer)
+        try:
+            return cls(groups, **optimizer.defaults)
+        except (TypeError, ValueError) as e:
+            raise UsageError(f"ShardedOptimizer rebuilds the optimizer over this rank's shard "
+                             f"as {cls.__name__}(param_groups, **defaults), which failed: {e}") \
+                from e
+
+    # ---- the wrapped optimizer's face ----
+
+    @property
+    def param_groups(self):
+        """The wrapped optimizer's groups (full parameters); hyperparameters written here
+        (by LR schedulers, say) reach the shard optimizer at the next step()."""
+        return self._optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self._optimizer.param_groups = value
+
+    @property
+    def defaults(self):
+        return self._optimizer.defaults
+
+    @property
+    def state(self):
+        """The shard optimizer's state (keyed by this rank's flat shard tensors)."""
+        return self._inner.state
+
+    def add_param_group(self, param_group):
+        raise UsageError("ShardedOptimizer.add_param_group is not supported: build the "
+                         "optimizer with every param group before wrapping it")
+
+    def __repr__(self):
+        return f"ShardedOptimizer(stage={self._stage}, offload={self._offload}, {self._inner!r})"
+
+    def _pass_hyperparameters(self):
+        for mine, inner in zip(self._optimizer.param_groups, self._inner.param_groups):
+            inner.update(_hyperparameters(mine))
+
+    def _check_set(self):
+        comm = mpi_ops._comm(self._process_set)
+        if (comm.rank(), comm.size()) != (self._rank, self._size):
+            raise UsageError(
+                f"ShardedOptimizer was sharded over {self._size} ranks (this one rank "
+                f"{self._rank}); the set is now {comm.size()} ranks (this one rank {comm.rank()}). "
+                "Re-sharding is not supported: consolidate_state_dict() before the change and "
+                "load it into a new ShardedOptimizer")
+
+    # ---- steps ----
+
+    def synchronize(self):
+        """Average the gradients over the set: this rank's shard tensors get their slice of
+        the average (stage 1: every p.grad holds the average as well; stage 2: every
+        p.grad is dropped). Parameters without a gradient on a rank count as zeros."""
+        if self._reduced:
+            return
+        self._check_set()
+        runs = list(self._runs.values())
+        flats = [torch.cat([(p.grad.to_dense() if p.grad is not None and p.grad.is_sparse
+                             else p.grad if p.grad is not None else torch.zeros_like(p))
+                            .reshape(-1) for p in run.params]) for run in runs]
+        if self._stage == 1:
+            mpi_ops.grouped_allreduce_(flats, op=Average, name=f"{self._prefix}.grads",
+                                       process_set=self._process_set)
+            for run, flat in zip(runs, flats):
+                for p, off in zip(run.params, run.offsets):
+                    p.grad = flat[off: off + p.numel()].view_as(p)
+            mine = [flat[run.lo: run.hi] for run, flat in zip(runs, flats)]
+        else:
+            for run in runs:
+                for p in run.params:
+                    p.grad = None
+            mine = mpi_ops.grouped_reducescatter(flats, name=f"{self._prefix}.grads",
+                                                 op=Average, process_set=self._process_set)
+            del flats
+        pieces = dict(zip(self._runs, mine))
+        for s in self._shards:
+            piece = pieces[s.run.dtype][s.a - s.run.lo: s.b - s.run.lo]
+            s.master.grad = piece.to(device=s.master.device, dtype=s.master.dtype)
+        self._reduced = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """For step() after an explicit synchronize()."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        """Reduce the gradients (unless skip_synchronize()), step this rank's shard with the
+        wrapped optimizer's class, and allgather the updated parameters into place."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._should_synchronize:
+            self.synchronize()
+        elif not self._reduced:
+            raise UsageError("ShardedOptimizer.step() under skip_synchronize() needs a "
+                             "synchronize() first")
+        self._reduced = False
+        self._pass_hyperparameters()
+        self._inner.step()
+        self._allgather_parameters()
+        return loss
+
+    def _allgather_parameters(self):
+        mine = [torch.cat([s.master.detach() for s in self._shards if s.run is run])
+                .to(device=self._device, dtype=run.dtype) for run in self._runs.values()]
+        fulls = mpi_ops.grouped_allgather(mine, name=f"{self._prefix}.params",
+                                          process_set=self._process_set)
+        with torch.no_grad():
+            for run, full in zip(self._runs.values(), fulls):
+                for p, off in zip(run.params, run.offsets):
+                    p.copy_(full[off: off + p.numel()].view_as(p))
+
+    def zero_grad(self, set_to_none: bool = True):
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+        self._inner.zero_grad(set_to_none=set_to_none)
+        self._reduced = False
+
+    # ---- accounting ----
+
+    def memory(self):
+        """Bytes of tensors this rank holds, by kind: "parameters" (the full parameters and
+        this rank's master slices), "gradients" (p.grad kept and the shard gradients),
+        "optimizer_state" (the shard optimizer's state). Tensors sharing storage count once."""
+        grads = [p.grad for p in self._all] + [s.master.grad for s in self._shards]
+        state = [v for st in itertools.chain(self._inner.state.values(),
+                                             self._optimizer.state.values())
+                 for v in st.values() if torch.is_tensor(v)]
+        return {"parameters": _held(self._all + [s.master for s in self._shards]),
+                "gradients": _held(grads), "optimizer_state": _held(state)}
+
+    # ---- state ----
+
+    def state_dict(self):
+        """This rank's part: the shard optimizer's state_dict and the layout it belongs to.
+        Loads back on the same rank of a set of the same size (see consolidate_state_dict
+        for one full, torch-style state dict)."""
+        self._pass_hyperparameters()
+        return {"ringsync_sharded": {"stage": self._stage, "rank": self._rank,
+                                     "size": self._size, "layout": self._layout()},
+                "shard": self._inner.state_dict()}
+
+    def _layout(self):
+        return [(str(d), run.numel) for d, run in self._runs.items()]
+
+    def load_state_dict(self, state_dict):
+        """Either this optimizer's own state_dict() (same rank, same set size) or a full
+        torch-style optimizer state dict (consolidate_state_dict's, or the unsharded
+        optimizer's), of which this rank takes its slices."""
+        if not isinstance(state_dict, dict) or "param_groups" not in state_dict and \
+                "ringsync_sharded" not in state_dict:
+            raise UsageError("ShardedOptimizer.load_state_dict: expected a ShardedOptimizer "
+                             "state_dict() or a torch optimizer state dict")
+        meta = state_dict.get("ringsync_sharded")
+        if meta is None:
+            self._inner.load_state_dict(self._slice_full(state_dict))
+        else:
+            mine = {"rank": self._rank, "size": self._size, "layout": self._layout()}
+            theirs = {k: meta.get(k) for k in mine}
+            if theirs != mine:
+                raise UsageError(f"ShardedOptimizer.load_state_dict: the state was saved by "
+                                 f"{theirs}, this optimizer is {mine}; load a consolidated "
+                                 "state dict to change the number of ranks")
+            self._inner.load_state_dict(state_dict["shard"])
+        for mine_group, inner in zip(self._optimizer.param_groups, self._inner.param_groups):
+            mine_group.update(_hyperparameters(inner))
+
+    def _slice_full(self, full):
+        groups = full["param_groups"]
+        if len(groups) != len(self._optimizer.param_groups) or \
+                [len(g["params"]) for g in groups] != \
+                [len(g["params"]) for g in self._optimizer.param_groups]:
+            raise UsageError("ShardedOptimizer.load_state_dict: the state dict's param groups "
+                             "do not match the optimizer's (group count or sizes differ)")
+        ids = [i for g in groups for i in g["params"]]
+        state_of = {p: full["state"].get(i) for p, i in zip(self._all, ids)}
+        state = {}
+        for si, s in enumerate(self._shards):
+            params = s.params()
+            stated = [p for p in params if state_of.get(p) is not None]
+            if not stated:
+                continue
+            entry = {}
+            for key in dict.fromkeys(k for p in stated for k in state_of[p]):
+                values = [(state_of.get(p) or {}).get(key) for p in params]
+                like = next(v for v in values if v is not None)
+                if _elementwise(key, values, params):
+                    whole = [v if v is not None else torch.zeros(p.shape, dtype=like.dtype)
+                             for v, p in zip(values, params)]
+                    entry[key] = _flat(whole, s.a - s.start, s.b - s.start) \
+                        .to(s.master.device).clone()
+                else:  # (one per tensor, such as Adam's step: the first parameter's)
+                    entry[key] = like.clone() if torch.is_tensor(like) else copy.deepcopy(like)
+            state[si] = entry
+        order = {s.master: i for i, s in enumerate(self._shards)}
+        return {"state": state,
+                "param_groups": [dict(_hyperparameters(g),
+                                      params=[order[m] for m in inner["params"]])
+                                 for g, inner in zip(groups, self._inner.param_groups)]}
+
+    def consolidate_state_dict(self, to=0):
+        """The full optimizer state, as the unsharded optimizer's state_dict() would give
+        it (every parameter's state, indexed in param_groups order), on rank `to` (a rank
+        of the job); None on the other ranks. Every rank of the set must call it. The
+        shards travel as one allgather: each rank briefly holds the whole state."""
+        self._check_set()
+        self._pass_hyperparameters()
+        mine = {i: {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in
+                    self._inner.state.get(s.master, {}).items()}
+                for i, s in enumerate(self._shards)}
+        world_rank = mpi_ops._comm(self._process_set).world_rank()
+        everyone = allgather_object((world_rank, mine), name=f"{self._prefix}.consolidate",
+                                    process_set=self._process_set)
+        members = [r for r, _ in everyone]
+        if to not in members:
+            raise UsageError(f"ShardedOptimizer.consolidate_state_dict: to={to!r} is not a "
+                             f"rank of the process set (its ranks: {members})")
+        if world_rank != to:
+            return None
+        index = {p: i for i, p in enumerate(self._all)}
+        state = {}
+        for si, s in enumerate(self._shards):
+            parts = [(s.range_of(r), part[si]) for r, (_, part) in enumerate(everyone)]
+            keys = dict.fromkeys(k for _, st in parts for k in st)
+            params = s.params()
+            for key in keys:
+                pieces = [st.get(key) for _, st in parts]
+                if all(v is None or torch.is_tensor(v) and v.dim() == 1 and
+                       v.numel() == b - a for ((a, b), _), v in zip(parts, pieces)):
+                    flat = torch.cat([v for v in pieces if v is not None])
+                    off = s.start
+                    for p in params:
+                        state.setdefault(index[p], {})[key] = \
+                            flat[off - s.start: off - s.start + p.numel()].view(p.shape).clone()
+                        off += p.numel()
+                else:
+                    value = next(v for v in pieces if v is not None)
+                    for p in params:
+                        state.setdefault(index[p], {})[key] = \
+                            value.clone() if torch.is_tensor(value) else value
+        groups, start = [], 0
+        for g in self._optimizer.param_groups:
+            groups.append(dict(_hyperparameters(g),
+                               params=list(range(start, start + len(g["params"])))))
+            start += len(g["params"])
+        return {"state": state, "param_groups": groups}
+
+
+def _flat(tensors, a, b):
+    """Elements [a, b) of `tensors` laid end to end, without building the whole."""
+    pieces, off = [], 0
+    for t in tensors:
+        lo, hi = max(a, off), min(b, off + t.numel())
+        if lo < hi:
+            pieces.append(t.reshape(-1)[lo - off: hi - off])
+        off += t.numel()
+    return torch.cat(pieces) if pieces else tensors[0].new_empty(0)
+
+
+def _hyperparameters(group):
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _master_dtype(dtype):
+    return torch.float32 if dtype in _WIDENED else dtype
+
+
+def _held(tensors):
+    """Bytes of the distinct storages under `tensors` (None entries skipped)."""
+    storages = {}
+    for t in tensors:
+        if t is not None:
+            s = t.untyped_storage()
+            storages[(s.data_ptr(), str(s.device), s.nbytes())] = s.nbytes()
+    return sum(storages.values())
+
+
+def _elementwise(key, values, params):
+    """Whether an optimizer state entry holds one value per parameter element (momentum,
+    exp_avg) rather than one per tensor (Adam's step): shaped like every parameter that
+    has it, and not a 'step' of scalar parameters."""
+    if not all(v is None or torch.is_tensor(v) and v.shape == p.shape
+               for v, p in zip(values, params)):
+        return False
+    return key != "step" or any(p.dim() > 0 for v, p in zip(values, params) if v is not None)
+
+
+def _names(params, named_parameters):
+    """Each parameter's name, for messages: from named_parameters, else its position."""
+    if named_parameters is None:
+        return [f"parameter {i}" for i in range(len(params))]
+    by_param = {}
+    for name, p in named_parameters:
+        by_param[p] = f"'{name}'"
+    missing = [i for i, p in enumerate(params) if p not in by_param]
+    if missing:
+        raise UsageError(f"ShardedOptimizer: named_parameters does not name every parameter "
+                         f"of the optimizer (parameters at positions {missing[:10]} are missing)")
+    return [by_param[p] for p in params]
+
+
+def _check_parameters(params, names):
+    """The device every parameter is on; UsageError naming the first one that cannot be
+    sharded."""
+    if not any(p.requires_grad for p in params):
+        raise UsageError("ShardedOptimizer: the optimizer has no parameter that requires grad")
+    device = None
+    for p, name in zip(params, names):
+        if not p.is_floating_point():
+            raise UsageError(f"ShardedOptimizer: {name} is {p.dtype}; only floating-point "
+                             "parameters can be sharded")
+        if p.layout != torch.strided:
+            raise UsageError(f"ShardedOptimizer: {name} is a {p.layout} tensor; only dense "
+                             "parameters can be sharded")
+        device = device or p.device
+        if p.device != device:
+            raise UsageError(f"ShardedOptimizer: parameters on more than one device ({name} is "
+                             f"on {p.device}, earlier ones on {device})")
+    return device

@@ -1,0 +1,211 @@
+"""ShardedOptimizer (ZeRO stages 1 and 2) on every rank under mpirun: the same parameters
+as DistributedOptimizer after several steps, memory() per rank, state dicts, bad input.
+Data differs by rank; the model's parameter sizes divide by neither 2 nor 3."""
+import copy
+
+import torch
+
+import ringsync.torch as hvd
+from ringsync.objects import broadcast_object
+
+STEPS = 4
+CONFIGS = [(1, False), (1, True), (2, False), (2, True)]  # (stage, offload)
+
+
+class _Model(torch.nn.Module):
+    """Parameters of 403, 31, 155, 5 and 11 elements (605 trainable) and a frozen one."""
+
+    def __init__(self, dtype=torch.float64, extra_dtype=None):
+        super().__init__()
+        torch.manual_seed(11)
+        self.l1 = torch.nn.Linear(13, 31).to(dtype)
+        self.l2 = torch.nn.Linear(31, 5).to(dtype)
+        self.extra = torch.nn.Parameter(torch.randn(11).to(extra_dtype or dtype))
+        self.frozen = torch.nn.Parameter(torch.ones(4, dtype=dtype), requires_grad=False)
+
+    def loss(self, step):
+        me = hvd.rank()
+        g = torch.Generator().manual_seed(1000 * me + step)
+        x = torch.randn(6, 13, generator=g).to(self.l1.weight.dtype)
+        out = self.l2(torch.tanh(self.l1(x)))
+        loss = (out ** 2).mean() + (self.frozen.sum() * out).mean()
+        if me == 0:  # the other ranks have no gradient for it: zeros, as DistributedOptimizer
+            loss = loss + (self.extra.to(out.dtype) * torch.randn(11, generator=g)
+                           .to(out.dtype)).sum() ** 2
+        return loss
+
+
+def _optimizer(model, kind):
+    groups = [{"params": list(model.l1.parameters())},
+              {"params": [*model.l2.parameters(), model.extra, model.frozen], "lr": 0.03,
+               "weight_decay": 0.01}]
+    if kind == "adam":
+        return torch.optim.Adam(groups, lr=0.01)
+    return torch.optim.SGD(groups, lr=0.05, momentum=0.9, nesterov=True)
+
+
+def _train(model, opt, steps, first=0):
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for step in range(first, first + steps):
+        opt.zero_grad()
+        model.loss(step).backward()
+        opt.step()
+        sched.step()
+    return sched
+
+
+def _close(a, b, rtol, what):
+    scale = max(b.abs().max().item(), 1e-300) if b.numel() else 1.0
+    err = (a.double() - b.double()).abs().max().item() / scale if b.numel() else 0.0
+    assert err <= rtol, f"{what}: relative difference {err:.3g} > {rtol}"
+
+
+def _same_parameters(model, ref, rtol, what):
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        _close(p.detach(), q.detach(), rtol, f"{what}: {name}")
+
+
+def _state_bytes(opt):
+    return sum(v.numel() * v.element_size() for st in opt.state.values()
+               for v in st.values() if torch.is_tensor(v))
+
+
+def _reference(kind, steps=STEPS, dtype=torch.float64, extra_dtype=None):
+    model = _Model(dtype, extra_dtype)
+    opt = hvd.DistributedOptimizer(_optimizer(model, kind),
+                                   named_parameters=model.named_parameters())
+    _train(model, opt, steps)
+    return model, opt
+
+
+def same_as_distributed_optimizer():
+    """Stages 1 and 2, offload on and off, Adam and SGD with Nesterov momentum: the same
+    parameters as DistributedOptimizer to 1e-10, lr schedules included; memory() per rank;
+    consolidate_state_dict equals the unsharded state."""
+    hvd.init()
+    size = hvd.size()
+    trainable = 605 * 8
+    for kind in ("adam", "sgd"):
+        ref, ref_opt = _reference(kind)
+        ref_state = ref_opt.state_dict()
+        unsharded_state = _state_bytes(ref_opt)
+        for stage, offload in CONFIGS:
+            what = f"{kind} stage {stage} offload {offload}"
+            model = _Model()
+            opt = hvd.ShardedOptimizer(_optimizer(model, kind), model.named_parameters(),
+                                       stage=stage, offload=offload)
+            _train(model, opt, STEPS)
+            _same_parameters(model, ref, 1e-10, what)
+            assert [g["lr"] for g in opt.param_groups] == \
+                [g["lr"] for g in ref_opt.param_groups], what
+            mem = opt.memory()
+            full_params = sum(p.numel() * 8 for p in model.parameters())
+            assert full_params + 605 // size * 8 <= mem["parameters"] <= \
+                full_params + trainable / size + 16, (what, mem)
+            assert mem["optimizer_state"] <= unsharded_state / size + 64, \
+                (what, mem, unsharded_state)
+            if stage == 1:
+                assert mem["gradients"] <= trainable + trainable / size + 16, (what, mem)
+            else:
+                assert all(p.grad is None for p in model.parameters()), what
+                assert mem["gradients"] <= trainable / size + 16, (what, mem)
+            to = size - 1
+            full = opt.consolidate_state_dict(to=to)
+            if hvd.rank() != to:
+                assert full is None
+                continue
+            assert full["param_groups"] == ref_state["param_groups"], what
+            assert sorted(full["state"]) == sorted(ref_state["state"]), what
+            for i, st in ref_state["state"].items():
+                assert sorted(full["state"][i]) == sorted(st), (what, i)
+                for key, value in st.items():
+                    _close(full["state"][i][key], value, 1e-10, f"{what}: state {i} {key}")
+        opt.zero_grad()
+        assert opt.memory()["gradients"] == 0
+    hvd.shutdown()
+
+
+def state_dicts_and_mixed_dtypes():
+    """Resuming from state_dict() and from a consolidated state dict continues exactly as
+    an uninterrupted run; float32 and float64 parameters shard as two runs."""
+    hvd.init()
+    me, size = hvd.rank(), hvd.size()
+    for stage in (1, 2):
+        ref, _ = _reference("adam", steps=2 * STEPS)
+        model = _Model()
+        opt = hvd.ShardedOptimizer(_optimizer(model, "adam"), stage=stage)
+        schedule = _train(model, opt, STEPS).state_dict()
+        saved, params = opt.state_dict(), copy.deepcopy(model.state_dict())
+        full = broadcast_object(opt.consolidate_state_dict(to=0), 0, name=f"full{stage}")
+        for source in (saved, full):
+            resumed = _Model()
+            resumed.load_state_dict(params)
+            base = _optimizer(resumed, "adam")
+            again = hvd.ShardedOptimizer(base, stage=stage)
+            again.load_state_dict(source)
+            sched = torch.optim.lr_scheduler.StepLR(again, step_size=2, gamma=0.5)
+            sched.load_state_dict(schedule)
+            for step in range(STEPS, 2 * STEPS):
+                again.zero_grad()
+                loss = again.step(lambda: _backward(resumed, step))
+                assert torch.is_tensor(loss)
+                sched.step()
+            _same_parameters(resumed, ref, 1e-10, f"stage {stage} resumed from "
+                             f"{'state_dict' if source is saved else 'consolidated'}")
+        if size > 1:
+            other = broadcast_object(saved, 1, name=f"rank1.state{stage}")
+            if me != 1:
+                _raises(lambda: opt.load_state_dict(other), "the state was saved by")
+    # float32 and float64 parameters: two runs, each split over the ranks.
+    ref, _ = _reference("adam", extra_dtype=torch.float32)
+    model = _Model(extra_dtype=torch.float32)
+    opt = hvd.ShardedOptimizer(_optimizer(model, "adam"), stage=2)
+    _train(model, opt, STEPS)
+    _same_parameters(model, ref, 1e-6, "mixed dtypes")
+    assert len(opt._runs) == 2
+    hvd.shutdown()
+
+
+def _backward(model, step):
+    loss = model.loss(step)
+    loss.backward()
+    return loss
+
+
+def _raises(call, words):
+    try:
+        call()
+    except hvd.UsageError as e:
+        assert words in str(e), (words, str(e))
+    else:
+        raise AssertionError(f"no UsageError ({words})")
+
+
+def bad_arguments():
+    hvd.init()
+    model = _Model()
+    make = lambda **kw: hvd.ShardedOptimizer(_optimizer(model, "sgd"), **kw)  # noqa: E731
+    _raises(lambda: make(stage=3), "stage must be 1 or 2")
+    _raises(lambda: make(stage=True), "stage must be 1 or 2")
+    _raises(lambda: make(stage="1"), "stage must be 1 or 2")
+    _raises(lambda: make(offload="yes"), "offload must be True or False")
+    _raises(lambda: hvd.ShardedOptimizer(model), "wraps a torch.optim.Optimizer")
+    _raises(lambda: make(named_parameters=list(model.named_parameters())[:2]),
+            "does not name every parameter")
+    ints = torch.nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)
+    _raises(lambda: hvd.ShardedOptimizer(torch.optim.SGD([model.extra, ints], lr=0.1),
+                                         [("extra", model.extra), ("counts", ints)]),
+            "'counts' is torch.int64")
+    meta = torch.nn.Parameter(torch.empty(3, device="meta"))
+    _raises(lambda: hvd.ShardedOptimizer(torch.optim.SGD([model.extra, meta], lr=0.1)),
+            "more than one device")
+    _raises(lambda: hvd.ShardedOptimizer(torch.optim.SGD([model.frozen], lr=0.1)),
+            "no parameter that requires grad")
+    opt = make()
+    _raises(lambda: opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]}),
+            "add_param_group is not supported")
+    _raises(lambda: opt.consolidate_state_dict(to=hvd.size()), "not a rank of the process set")
+    _raises(lambda: opt.load_state_dict({"nonsense": 1}), "expected a ShardedOptimizer")
+    with opt.skip_synchronize():
+        _raises(opt.step, "needs a synchronize() first")
+    hvd.shutdown()
