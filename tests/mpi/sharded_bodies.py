@@ -211,3 +211,24 @@ def bad_arguments():
     with opt.skip_synchronize():
         _raises(opt.step, "needs a synchronize() first")
     hvd.shutdown()
+
+
+def on_a_process_set():
+    """Sharded over ranks [size-1, 0] only (the other ranks train nothing): the same
+    parameters as DistributedOptimizer over that set."""
+    hvd.init()
+    me, size = hvd.rank(), hvd.size()
+    pair = hvd.add_process_set([size - 1, 0])
+    if pair.included():
+        ref = _Model()
+        ref_opt = hvd.DistributedOptimizer(_optimizer(ref, "adam"), process_set=pair)
+        _train(ref, ref_opt, STEPS)
+        model = _Model()
+        opt = hvd.ShardedOptimizer(_optimizer(model, "adam"), stage=2, process_set=pair)
+        _train(model, opt, STEPS)
+        _same_parameters(model, ref, 1e-10, "process set")
+        assert opt.memory()["gradients"] <= 605 * 8 / 2 + 16
+        full = opt.consolidate_state_dict(to=0)
+        assert (full is not None) == (me == 0)
+    assert hvd.remove_process_set(pair)
+    hvd.shutdown()
