@@ -221,7 +221,8 @@ def grouped_allreduce(tensors, average=None, device_dense='', device_sparse='',
     for i, t in enumerate(tensors):
         if isinstance(t, tf.IndexedSlices):
             out[i] = _allreduce_sparse(t, op, prescale_factor, postscale_factor,
-                                       f"{name}.sparse{i}", process_set)
+                                       None if name is None else f"{name}.sparse{i}",
+                                       process_set)
     if dense:
         wires = [compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense]
         reduced = _grouped_allreduce([w for w, _ in wires], op, prescale_factor,
