@@ -209,6 +209,22 @@ static rs_status_t run_reducescatter(rs_executor_t *x, rs_pending_t *p) {
     return st;
 }
 
+/* A message (see "point-to-point" in engine.c): negotiation proved that both ends posted
+ * it with the same dtype and shape, so the receiver's buffer takes exactly the bytes the
+ * sender sends. Every rank reaches it at the same place in the agreed order, so its
+ * bytes sit between the same collectives' bytes on both ends of the stream. */
+static rs_status_t run_p2p(rs_executor_t *x, rs_pending_t *p) {
+    rs_comm_t *comm = x->comm;
+    const rs_meta_t *m = &p->metas[comm->rank];
+    size_t bytes = tensor_bytes(m);
+    double start = rs_now();
+    rs_xfer_t t = comm->rank == m->root ? rs_send_to(m->op, p->mine->sendbuf, bytes)
+                                        : rs_recv_from(m->root, p->mine->recvbuf, bytes);
+    rs_status_t st = bytes ? rs_progress(comm, &t, 1) : RS_OK;
+    span(x, p, comm->rank == m->root ? "SEND" : "RECV", start);
+    return st;
+}
+
 static rs_status_t run_single(rs_executor_t *x, rs_pending_t *p) {
     const rs_meta_t *m = &p->metas[0];
     double start = rs_now();
@@ -241,7 +257,7 @@ static rs_status_t settle(rs_executor_t *x, rs_pending_t **group, int n, rs_stat
         rs_comm_error(x->comm, &why);
         st = rs_fail(x->comm, RS_ERR_COMM, "rank %d: %s '%s' failed while running (%s); the "
                      "communicator is broken, its peers may be mid-transfer",
-                     x->comm->rank, rs_kind_name(group[0]->metas[0].kind), group[0]->name,
+                     x->comm->rank, rs_kind_name(group[0]->mine->meta.kind), group[0]->name,
                      why.text);
     }
     if (st != RS_OK)
@@ -258,6 +274,10 @@ rs_status_t rs_execute(rs_executor_t *x, rs_pending_t **ready, int nready) {
     int i = 0;
     while (i < nready) {
         rs_pending_t *p = ready[i];
+        if (!p->mine && rs_pending_is_p2p(p)) {
+            i++; /* a message between two other ranks */
+            continue;
+        }
         char *disagreement = rs_check_agreement(p, x->comm->size);
         if (disagreement) { /* every rank finds the same: each fails it alike */
             p->mine->status = RS_ERR_USAGE;
@@ -267,7 +287,8 @@ rs_status_t rs_execute(rs_executor_t *x, rs_pending_t **ready, int nready) {
         }
         int n = 1;
         size_t bytes = tensor_bytes(&p->metas[0]);
-        if (p->metas[0].kind == RS_KIND_ALLREDUCE) {
+        int p2p = rs_pending_is_p2p(p); /* (metas[0] is rank 0's: unset unless an end) */
+        if (!p2p && p->metas[0].kind == RS_KIND_ALLREDUCE) {
             while (i + n < nready && fusable(x, p, ready[i + n], bytes)) {
                 char *other = rs_check_agreement(ready[i + n], x->comm->size);
                 if (other) {
@@ -278,7 +299,8 @@ rs_status_t rs_execute(rs_executor_t *x, rs_pending_t **ready, int nready) {
                 n++;
             }
         }
-        rs_status_t st = n > 1 ? allreduce_fused(x, ready + i, n, bytes) : run_single(x, p);
+        rs_status_t st = p2p ? run_p2p(x, p)
+                         : n > 1 ? allreduce_fused(x, ready + i, n, bytes) : run_single(x, p);
         RS_CHECK(settle(x, ready + i, n, st));
         i += n;
     }
