@@ -42,11 +42,6 @@ def _every_dtype_and_size(comm):
     return True
 
 
-@pytest.mark.parametrize("path", TRANSPORTS)
-def test_every_dtype_and_size_around_a_ring(path):
-    assert_ranks_ok(_every_dtype_and_size, 3, timeout=TIMEOUT, env=_env(path))
-
-
 def _out_of_order_names_and_many_in_order(comm):
     r = comm.rank()
     count = 40
@@ -75,11 +70,6 @@ def _out_of_order_names_and_many_in_order(comm):
     return True
 
 
-@pytest.mark.parametrize("path", TRANSPORTS)
-def test_named_out_of_order_and_unnamed_in_order(path):
-    assert_ranks_ok(_out_of_order_names_and_many_in_order, 3, timeout=TIMEOUT, env=_env(path))
-
-
 def _exchange_between_collectives(comm):
     """Both directions at once between every pair, interleaved with collectives, on 4
     ranks: messages and collectives share the streams without mixing."""
@@ -95,11 +85,6 @@ def _exchange_between_collectives(comm):
         for p, out in outs.items():
             assert out.tolist() == [p, r, step]
     return True
-
-
-@pytest.mark.parametrize("path", TRANSPORTS)
-def test_all_pairs_exchange_between_collectives(path):
-    assert_ranks_ok(_exchange_between_collectives, 4, timeout=TIMEOUT, env=_env(path))
 
 
 def _mismatches_fail_both_ends(comm):
@@ -131,9 +116,20 @@ def _mismatches_fail_both_ends(comm):
     return True
 
 
+# Each check on both transports: (body, ranks).
+CHECKS = {
+    "every_dtype_and_size_around_a_ring": (_every_dtype_and_size, 3),
+    "named_out_of_order_and_unnamed_in_order": (_out_of_order_names_and_many_in_order, 3),
+    "all_pairs_exchange_between_collectives": (_exchange_between_collectives, 4),
+    "mismatches_fail_both_ends_and_the_next_works": (_mismatches_fail_both_ends, 2),
+}
+
+
 @pytest.mark.parametrize("path", TRANSPORTS)
-def test_dtype_and_shape_mismatches_fail_both_ends_and_the_next_works(path):
-    assert_ranks_ok(_mismatches_fail_both_ends, 2, timeout=TIMEOUT, env=_env(path))
+@pytest.mark.parametrize("check", sorted(CHECKS))
+def test_messages(check, path):
+    body, size = CHECKS[check]
+    assert_ranks_ok(body, size, timeout=TIMEOUT, env=_env(path))
 
 
 def _bad_arguments_refused(comm):
