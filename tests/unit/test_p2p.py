@@ -234,3 +234,36 @@ def test_a_failed_peer_fails_a_pending_send():
     outcomes = run_ranks(_peer_raises, 2, timeout=TIMEOUT, env=_env("tcp"))
     assert outcomes[0].ok and outcomes[0].value is True, outcomes[0].error
     assert "fails on purpose" in outcomes[1].error
+
+
+def _torch_messages(comm):
+    """ringsync.torch's send / recv (process_set= takes a Communicator too): in place into
+    a preallocated tensor, a non-contiguous one included, and differentiable: the sender's
+    token receives the gradient of what the receiver computed from the message."""
+    import torch
+    import ringsync.torch as hvd
+    r = comm.rank()
+    peer = 1 - r
+    if r == 0:
+        hvd.send(torch.arange(6, dtype=torch.float32).reshape(2, 3), 1, process_set=comm)
+        hvd.synchronize(hvd.send_async(torch.tensor([1, 2, 3]), 1, name="ints", process_set=comm))
+        x = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+        token = hvd.send(x * 2, peer, name="act", process_set=comm)
+        torch.autograd.backward([token], [torch.zeros(0)])
+        return x.grad.tolist()
+    out = torch.empty(3, 2).t()  # non-contiguous: staged through a copy
+    assert hvd.recv(out, 0, process_set=comm) is out
+    assert out.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    ints = torch.zeros(3, dtype=torch.int64)
+    assert hvd.synchronize(hvd.recv_async(ints, 0, name="ints", process_set=comm)) is ints
+    assert ints.tolist() == [1, 2, 3]
+    y = hvd.recv(torch.empty(3, requires_grad=True), peer, name="act", process_set=comm)
+    assert y.tolist() == [2.0, 4.0, 6.0]
+    (y * y).sum().backward()  # d/dx of sum((2x)^2) = 8x
+    return None
+
+
+def test_torch_send_recv_and_their_gradients():
+    pytest.importorskip("torch")
+    got = assert_ranks_ok(_torch_messages, 2, timeout=TIMEOUT, env=_env("shm"))
+    assert got[0] == [8.0, 16.0, 24.0]
