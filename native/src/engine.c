@@ -16,6 +16,9 @@
 
 #define FUSION_IDLE_GAP_SECONDS 100e-6 /* stop gathering once submissions pause this long */
 #define SHUTDOWN_NAME "ringsync.shutdown"
+/* Sends and recvs one rank may have in flight: every rank's negotiator holds an entry for
+ * each until it is matched, so a rank that posts without end is refused, not followed. */
+#define P2P_MAX_IN_FLIGHT 4096
 
 struct rs_engine {
     rs_comm_t *comm;
@@ -47,6 +50,7 @@ struct rs_engine {
     /* Point-to-point: unnamed sends accepted to each rank, unnamed recvs accepted from
      * each (size entries each, under mu): the k-th of each pair gets the same name. */
     int64_t *p2p_sent, *p2p_received;
+    int p2p_in_flight; /* this rank's sends and recvs not yet done (under mu) */
 
     /* the engine thread's own */
     rs_negotiator_t negotiator;
@@ -107,6 +111,8 @@ static void free_work(rs_work_t *w) {
 
 /* Under mu. */
 static void finish_locked(rs_engine_t *e, rs_work_t *w) {
+    if (!w->done && w->meta.kind == RS_KIND_SEND && !w->synthetic)
+        e->p2p_in_flight--;
     __atomic_store_n(&w->done, 1, __ATOMIC_RELEASE); /* a joined rank's lane reads it */
     rs_map_remove(&e->in_flight, w->name);
 }
@@ -740,6 +746,7 @@ static void queue_all(rs_engine_t *e, const int64_t *handles, int n) {
  * which the caller frees). */
 static rs_status_t name_messages(rs_engine_t *e, const char **names, const rs_request_t *requests,
                                  int n, const char **use, char **made) {
+    int posted = e->p2p_in_flight;
     for (int i = 0; i < n; i++) {
         use[i] = names[i];
         if (!is_p2p(requests[i].kind))
@@ -748,6 +755,12 @@ static rs_status_t name_messages(rs_engine_t *e, const char **names, const rs_re
         for (int j = 0; j < i; j++)
             earlier += requests[j].kind == requests[i].kind &&
                        requests[j].root == requests[i].root && !(names[j] && *names[j]);
+        if (posted++ >= P2P_MAX_IN_FLIGHT)
+            return rs_error_set(&e->error, RS_ERR_USAGE, "%s: rank %d already has %d sends "
+                                "and recvs in flight, the most it may; synchronize some "
+                                "first (each waits for its peer's matching call)",
+                                rs_kind_name(requests[i].kind), e->comm->rank,
+                                P2P_MAX_IN_FLIGHT);
         if (!(made[i] = p2p_name(e, names[i], &requests[i], earlier)))
             return e->error.code != RS_OK ? e->error.code
                                           : rs_error_set(&e->error, RS_ERR_NOMEM, "out of memory");
@@ -756,12 +769,15 @@ static rs_status_t name_messages(rs_engine_t *e, const char **names, const rs_re
     return RS_OK;
 }
 
-/* Under mu, once a group is accepted: its unnamed messages take their places. */
+/* Under mu, once a group is accepted: its messages count as in flight, and its unnamed
+ * ones take their places in their pairs' order. */
 static void count_messages(rs_engine_t *e, const char **names, const rs_request_t *requests,
                            int n) {
-    for (int i = 0; i < n; i++)
+    for (int i = 0; i < n; i++) {
+        e->p2p_in_flight += is_p2p(requests[i].kind);
         if (is_p2p(requests[i].kind) && !(names[i] && *names[i]))
             (requests[i].kind == RS_KIND_SEND ? e->p2p_sent : e->p2p_received)[requests[i].root]++;
+    }
 }
 
 rs_status_t rs_engine_submit(rs_engine_t *e, const char **names, const rs_request_t *requests,

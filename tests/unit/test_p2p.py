@@ -267,3 +267,30 @@ def test_torch_send_recv_and_their_gradients():
     pytest.importorskip("torch")
     got = assert_ranks_ok(_torch_messages, 2, timeout=TIMEOUT, env=_env("shm"))
     assert got[0] == [8.0, 16.0, 24.0]
+
+
+def _too_many_in_flight(comm):
+    """Messages a rank may have in flight are bounded (every rank's negotiator holds each
+    until matched): past the limit a send is refused; the posted ones still arrive in
+    order, and afterwards the pair works."""
+    limit = 4096
+    if comm.rank() == 0:
+        handles = [comm.send_async(np.array([i], np.int32), 1) for i in range(limit)]
+        with pytest.raises(rs.UsageError, match=f"already has {limit} sends and recvs in flight"):
+            comm.send_async(np.array([-1], np.int32), 1)
+        comm.barrier()
+        for h in handles:
+            comm.synchronize(h)
+        comm.send(np.array([limit], np.int32), 1)
+        return True
+    comm.barrier()
+    out = np.empty(limit + 1, np.int32)
+    handles = [comm.recv_async(out[i:i + 1], 0) for i in range(limit)]  # (the most)
+    for h in handles:
+        comm.synchronize(h)
+    comm.recv(out[limit:], 0)
+    return out.tolist() == list(range(limit + 1))
+
+
+def test_messages_in_flight_are_bounded():
+    assert all(assert_ranks_ok(_too_many_in_flight, 2, timeout=TIMEOUT, env=_env("shm")))
