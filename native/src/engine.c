@@ -562,8 +562,10 @@ rs_meta_t rs_request_meta(const rs_request_t *r) {
  * names a message after its ends and the caller's name, or, unnamed, after its place in
  * the pair's sequence, so the receiver's posted recv meets the sender's send whatever
  * order names are posted in. Nothing waits in an unexpected-message buffer: a send's
- * payload stays in the sender's buffer until the recv is posted (rendezvous), so memory
- * does not grow with unmatched sends. A lost peer fails the round, hence every pending
+ * payload stays in the sender's buffer until the recv is posted (rendezvous), and what
+ * negotiation keeps of unmatched messages is bounded (P2P_MAX_IN_FLIGHT per rank). The
+ * cost: a message takes a negotiation round, in which every rank of the communicator
+ * takes part (cheap, and shared with whatever else is submitted then). A lost peer fails the round, hence every pending
  * message, as it fails collectives. */
 
 static int is_p2p(int kind) { return kind == RS_KIND_SEND || kind == RS_KIND_RECV; }
@@ -580,29 +582,25 @@ static rs_meta_t request_meta(rs_engine_t *e, const rs_request_t *r) {
     return m;
 }
 
-/* Under mu: the engine's name for the message (caller frees), or NULL with the reason in
- * the engine's record. `earlier`: unnamed messages to the same peer and direction earlier
- * in the same group. */
-static char *p2p_name(rs_engine_t *e, const char *name, const rs_request_t *r, int earlier) {
+/* Under mu: *out, the engine's name for the message (caller frees), or a refusal in the
+ * engine's record. `earlier`: unnamed messages to the same peer and direction earlier in
+ * the same group. */
+static rs_status_t p2p_name(rs_engine_t *e, const char *name, const rs_request_t *r, int earlier,
+                            char **out) {
     int size = e->comm->size, me = e->comm->rank, send = r->kind == RS_KIND_SEND;
     const char *what = send ? "send" : "recv", *role = send ? "destination" : "source";
-    if (r->root < 0 || r->root >= size || r->root == me) {
-        rs_error_set(&e->error, RS_ERR_USAGE, "%s: %s rank %d is out of range: not one of "
-                     "ranks 0..%d other than this rank (%d)", what, role, r->root, size - 1,
-                     me);
-        return NULL;
-    }
+    if (r->root < 0 || r->root >= size || r->root == me)
+        return rs_error_set(&e->error, RS_ERR_USAGE, "%s: %s rank %d is out of range: not "
+                            "one of ranks 0..%d other than this rank (%d)", what, role, r->root,
+                            size - 1, me);
     int src = send ? me : r->root, dst = send ? r->root : me;
-    if (name && *name) {
-        if (strlen(name) > RS_MAX_NAME_LEN - 64) {
-            rs_error_set(&e->error, RS_ERR_USAGE, "%s: name '%.64s...' is longer than %d "
-                         "characters", what, name, RS_MAX_NAME_LEN - 64);
-            return NULL;
-        }
-        return rs_strdup_printf("%s (%d->%d)", name, src, dst);
-    }
+    if (name && *name && strlen(name) > RS_MAX_NAME_LEN - 64)
+        return rs_error_set(&e->error, RS_ERR_USAGE, "%s: name '%.64s...' is longer than %d "
+                            "characters", what, name, RS_MAX_NAME_LEN - 64);
     int64_t seq = (send ? e->p2p_sent : e->p2p_received)[r->root] + earlier;
-    return rs_strdup_printf("message #%lld (%d->%d)", (long long)seq, src, dst);
+    *out = name && *name ? rs_strdup_printf("%s (%d->%d)", name, src, dst)
+                         : rs_strdup_printf("message #%lld (%d->%d)", (long long)seq, src, dst);
+    return *out ? RS_OK : rs_error_set(&e->error, RS_ERR_NOMEM, "out of memory");
 }
 
 /* alltoall: splits (when given) are rows per rank, none negative, summing to shape[0]
@@ -761,9 +759,7 @@ static rs_status_t name_messages(rs_engine_t *e, const char **names, const rs_re
                                 "first (each waits for its peer's matching call)",
                                 rs_kind_name(requests[i].kind), e->comm->rank,
                                 P2P_MAX_IN_FLIGHT);
-        if (!(made[i] = p2p_name(e, names[i], &requests[i], earlier)))
-            return e->error.code != RS_OK ? e->error.code
-                                          : rs_error_set(&e->error, RS_ERR_NOMEM, "out of memory");
+        RS_CHECK(p2p_name(e, names[i], &requests[i], earlier, &made[i]));
         use[i] = made[i];
     }
     return RS_OK;
