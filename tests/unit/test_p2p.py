@@ -2,6 +2,8 @@
 this process (tests/thread_ranks.py): every dtype and size over both transports, matching
 by name and in order, exchanges that must not deadlock, errors on both ends, a process
 set's own numbering, and a lost peer failing a pending receive."""
+import threading
+
 import numpy as np
 import pytest
 
@@ -294,3 +296,20 @@ def _too_many_in_flight(comm):
 
 def test_messages_in_flight_are_bounded():
     assert all(assert_ranks_ok(_too_many_in_flight, 2, timeout=TIMEOUT, env=_env("shm")))
+
+
+def _never_sent(comm, failed):
+    if comm.rank() == 1:
+        with pytest.raises(rs.CommunicationTimeout) as info:
+            comm.recv(np.empty(2), 0, name="never")
+        failed.set()
+        return str(info.value)
+    failed.wait(TIMEOUT)  # rank 0 never sends (then its shutdown meets a broken ring)
+    return None
+
+
+def test_an_unmatched_recv_times_out_naming_its_peer():
+    outcomes = run_ranks(_never_sent, 2, timeout=TIMEOUT, args=(threading.Event(),),
+                         env={**_env("tcp"), "RINGSYNC_TIMEOUT_SECONDS": "1"})
+    text = outcomes[1].value
+    assert outcomes[1].ok and "'never (0->1)'" in text and "ranks [0]" in text, outcomes[1]
