@@ -265,6 +265,24 @@ def alltoall_async(tensor, splits=None, name=None):
     return _comm().alltoall_async(tensor, splits, name)
 
 
+def send(tensor, dst, name=None, process_set=None):
+    """Send tensor to rank dst (of process_set, when given); returns once dst received it."""
+    return _comm(process_set).send(tensor, dst, name)
+
+
+def send_async(tensor, dst, name=None, process_set=None):
+    return _comm(process_set).send_async(tensor, dst, name)
+
+
+def recv(tensor, src, name=None, process_set=None):
+    """Receive rank src's message into tensor (preallocated: the sender's dtype and shape)."""
+    return _comm(process_set).recv(tensor, src, name)
+
+
+def recv_async(tensor, src, name=None, process_set=None):
+    return _comm(process_set).recv_async(tensor, src, name)
+
+
 def barrier(process_set=None):
     _comm(process_set).barrier()
 
@@ -314,7 +332,8 @@ __all__ = [
     "allreduce_async_", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
     "grouped_allreduce_async_", "allgather", "allgather_async", "broadcast", "broadcast_",
     "broadcast_async", "broadcast_async_", "reducescatter", "reducescatter_async", "alltoall",
-    "alltoall_async", "barrier", "join", "poll", "broadcast_object", "allgather_object",
+    "alltoall_async", "send", "send_async", "recv", "recv_async", "barrier", "join", "poll",
+    "broadcast_object", "allgather_object",
     "synchronize", "start_timeline", "stop_timeline", "ProcessSet", "global_process_set",
     "add_process_set", "remove_process_set",
     "Handle", "Sum", "Average", "Min", "Max", "Adasum",

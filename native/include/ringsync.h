@@ -162,7 +162,15 @@ typedef enum {
     RS_KIND_BARRIER = 5,
     /* This rank has no more data: until every rank has joined, it takes part in the other
      * ranks' allreduces with zeros. The handle's result (rows) is the last rank to join. */
-    RS_KIND_JOIN = 6
+    RS_KIND_JOIN = 6,
+    /* Point-to-point: `root` is the peer (the destination of a send, the source of a
+     * recv); sendbuf (send) or recvbuf (recv, written whole) holds the tensor. A send
+     * completes once its receiver has posted the matching recv and the bytes have moved
+     * (synchronous, like MPI_Ssend). The k-th unnamed send from A to B matches the k-th
+     * unnamed recv on B from A; a named one matches the recv of the same name (an empty
+     * name is unnamed). The receiver's dtype and shape must equal the sender's. */
+    RS_KIND_SEND = 7,
+    RS_KIND_RECV = 8
 } rs_kind_t;
 
 /* One tensor. Buffers stay the caller's and must live until the handle completes.

@@ -42,7 +42,8 @@ static rs_status_t check_shape(const rs_meta_t *m, rs_error_t *why, int64_t *ele
 rs_status_t rs_meta_check(const rs_meta_t *m, int size, rs_error_t *why, int64_t *elements,
                           int64_t *bytes) {
     const char *kind = rs_kind_name(m->kind);
-    if (m->kind < RS_KIND_ALLREDUCE || m->kind > RS_KIND_JOIN)
+    /* (a recv's metadata say "send": both ends of a message carry the same) */
+    if (m->kind < RS_KIND_ALLREDUCE || m->kind > RS_KIND_SEND)
         return rs_error_set(why, RS_ERR_USAGE, "unknown collective kind %d", (int)m->kind);
     if (has_data(m->kind) && !(reduces(m->kind) ? rs_dtype_valid(m->dtype)
                                                   : rs_dtype_movable(m->dtype)))
@@ -60,6 +61,10 @@ rs_status_t rs_meta_check(const rs_meta_t *m, int size, rs_error_t *why, int64_t
     if (m->kind == RS_KIND_BROADCAST && (m->root < 0 || m->root >= size))
         return rs_error_set(why, RS_ERR_USAGE, "root rank %d is out of range for %d ranks",
                             (int)m->root, size);
+    if (m->kind == RS_KIND_SEND && (m->root < 0 || m->root >= size || m->op < 0 ||
+                                    m->op >= size || m->root == m->op))
+        return rs_error_set(why, RS_ERR_USAGE, "send from rank %d to rank %d: not two "
+                            "distinct ranks of %d", (int)m->root, (int)m->op, size);
     if (!isfinite(m->prescale) || !isfinite(m->postscale))
         return rs_error_set(why, RS_ERR_USAGE, "scale factors must be finite numbers, got "
                             "prescale %g postscale %g", m->prescale, m->postscale);

@@ -16,6 +16,9 @@
 
 #define FUSION_IDLE_GAP_SECONDS 100e-6 /* stop gathering once submissions pause this long */
 #define SHUTDOWN_NAME "ringsync.shutdown"
+/* Sends and recvs one rank may have in flight: every rank's negotiator holds an entry for
+ * each until it is matched, so a rank that posts without end is refused, not followed. */
+#define P2P_MAX_IN_FLIGHT 4096
 
 struct rs_engine {
     rs_comm_t *comm;
@@ -44,6 +47,10 @@ struct rs_engine {
      * join's handle is done), read atomically by lane callers, which tag their posts with
      * it (see rs_direct_serve_joined). */
     uint32_t joins;
+    /* Point-to-point: unnamed sends accepted to each rank, unnamed recvs accepted from
+     * each (size entries each, under mu): the k-th of each pair gets the same name. */
+    int64_t *p2p_sent, *p2p_received;
+    int p2p_in_flight; /* this rank's sends and recvs not yet done (under mu) */
 
     /* the engine thread's own */
     rs_negotiator_t negotiator;
@@ -104,6 +111,8 @@ static void free_work(rs_work_t *w) {
 
 /* Under mu. */
 static void finish_locked(rs_engine_t *e, rs_work_t *w) {
+    if (!w->done && w->meta.kind == RS_KIND_SEND && !w->synthetic)
+        e->p2p_in_flight--;
     __atomic_store_n(&w->done, 1, __ATOMIC_RELEASE); /* a joined rank's lane reads it */
     rs_map_remove(&e->in_flight, w->name);
 }
@@ -307,6 +316,8 @@ static void complete_ready(rs_engine_t *e, rs_pending_t **ready, int nready, rs_
 static rs_status_t take_part(rs_engine_t *e, rs_pending_t **ready, int nready) {
     double now = rs_now();
     for (int i = 0; i < nready; i++) {
+        if (!ready[i]->mine && rs_pending_is_p2p(ready[i]))
+            continue; /* a message between two other ranks: they alone move it */
         rs_work_t *w = ready[i]->mine ? ready[i]->mine : stand_in_work(ready[i], e->comm->rank);
         if (!w)
             return rs_fail(e->comm, RS_ERR_COMM, "rank %d: out of memory", e->comm->rank);
@@ -461,6 +472,8 @@ static void engine_free(rs_engine_t *e) {
     free(e->slots);
     free(e->generations);
     rs_map_free(&e->in_flight);
+    free(e->p2p_sent);
+    free(e->p2p_received);
     rs_negotiator_free(&e->negotiator);
     rs_timeline_stop(&e->timeline);
     pthread_mutex_destroy(&e->timeline.mu);
@@ -491,7 +504,10 @@ rs_status_t rs_engine_create(rs_comm_t *comm, const rs_engine_config_t *config,
     rs_timeline_init(&e->timeline, comm->rank);
     e->executor = (rs_executor_t){.comm = comm, .fusion_threshold = config->fusion_threshold_bytes,
                                   .timeline = &e->timeline};
-    if (rs_negotiator_init(&e->negotiator, comm->rank, comm->size, config->cache_capacity) != RS_OK ||
+    e->p2p_sent = calloc((size_t)comm->size, sizeof *e->p2p_sent);
+    e->p2p_received = calloc((size_t)comm->size, sizeof *e->p2p_received);
+    if (!e->p2p_sent || !e->p2p_received ||
+        rs_negotiator_init(&e->negotiator, comm->rank, comm->size, config->cache_capacity) != RS_OK ||
         pipe2(e->wake, O_NONBLOCK | O_CLOEXEC) != 0) {
         engine_free(e);
         return rs_fail(comm, RS_ERR_SYSTEM, "cannot set up the engine");
@@ -532,6 +548,61 @@ rs_meta_t rs_request_meta(const rs_request_t *r) {
     return m;
 }
 
+/* ---- point-to-point ----
+ *
+ * Why sends and recvs go through negotiation rather than around it: every byte between
+ * two ranks travels on one stream per pair (TCP socket or shared-memory ring), which the
+ * collectives use without framing; a message's bytes may only move where both ends expect
+ * them, or they would be read as a negotiation round or a ring step. Negotiation already
+ * gives every rank the same order of ready work, so a message becomes one more ready
+ * entry: it is ready once its two ends have submitted it (no other rank waits for it),
+ * every rank meets it at the same place in that order, and only its two ends move its
+ * bytes (the sender's header is its negotiated metadata, already checked for bounds and
+ * overflow; the payload is exactly the agreed size). Matching is by name: the engine
+ * names a message after its ends and the caller's name, or, unnamed, after its place in
+ * the pair's sequence, so the receiver's posted recv meets the sender's send whatever
+ * order names are posted in. Nothing waits in an unexpected-message buffer: a send's
+ * payload stays in the sender's buffer until the recv is posted (rendezvous), and what
+ * negotiation keeps of unmatched messages is bounded (P2P_MAX_IN_FLIGHT per rank). The
+ * cost: a message takes a negotiation round, in which every rank of the communicator
+ * takes part (cheap, and shared with whatever else is submitted then). A lost peer fails the round, hence every pending
+ * message, as it fails collectives. */
+
+static int is_p2p(int kind) { return kind == RS_KIND_SEND || kind == RS_KIND_RECV; }
+
+/* The metadata both ends of a message carry: kind "send", root the sender, op the
+ * receiver. */
+static rs_meta_t request_meta(rs_engine_t *e, const rs_request_t *r) {
+    rs_meta_t m = rs_request_meta(r);
+    if (is_p2p(r->kind)) {
+        m.kind = RS_KIND_SEND;
+        m.root = r->kind == RS_KIND_SEND ? e->comm->rank : r->root;
+        m.op = r->kind == RS_KIND_SEND ? r->root : e->comm->rank;
+    }
+    return m;
+}
+
+/* Under mu: *out, the engine's name for the message (caller frees), or a refusal in the
+ * engine's record. `earlier`: unnamed messages to the same peer and direction earlier in
+ * the same group. */
+static rs_status_t p2p_name(rs_engine_t *e, const char *name, const rs_request_t *r, int earlier,
+                            char **out) {
+    int size = e->comm->size, me = e->comm->rank, send = r->kind == RS_KIND_SEND;
+    const char *what = send ? "send" : "recv", *role = send ? "destination" : "source";
+    if (r->root < 0 || r->root >= size || r->root == me)
+        return rs_error_set(&e->error, RS_ERR_USAGE, "%s: %s rank %d is out of range: not "
+                            "one of ranks 0..%d other than this rank (%d)", what, role, r->root,
+                            size - 1, me);
+    int src = send ? me : r->root, dst = send ? r->root : me;
+    if (name && *name && strlen(name) > RS_MAX_NAME_LEN - 64)
+        return rs_error_set(&e->error, RS_ERR_USAGE, "%s: name '%.64s...' is longer than %d "
+                            "characters", what, name, RS_MAX_NAME_LEN - 64);
+    int64_t seq = (send ? e->p2p_sent : e->p2p_received)[r->root] + earlier;
+    *out = name && *name ? rs_strdup_printf("%s (%d->%d)", name, src, dst)
+                         : rs_strdup_printf("message #%lld (%d->%d)", (long long)seq, src, dst);
+    return *out ? RS_OK : rs_error_set(&e->error, RS_ERR_NOMEM, "out of memory");
+}
+
 /* alltoall: splits (when given) are rows per rank, none negative, summing to shape[0]
  * without overflow; otherwise shape[0] must split evenly. */
 static rs_status_t validate_splits(rs_engine_t *e, const char *name, const rs_request_t *r) {
@@ -569,7 +640,7 @@ static rs_status_t validate(rs_engine_t *e, const char *name, const rs_request_t
         return rs_error_set(&e->error, RS_ERR_USAGE, "tensor '%s' is already in flight on "
                             "rank %d; synchronize it before submitting the name again", name,
                             e->comm->rank);
-    rs_meta_t m = rs_request_meta(r);
+    rs_meta_t m = request_meta(e, r);
     rs_error_t why;
     if (rs_meta_check(&m, e->comm->size, &why, NULL, NULL) != RS_OK)
         return rs_error_set(&e->error, RS_ERR_USAGE, "tensor '%s': %s", name, why.text);
@@ -587,7 +658,7 @@ static rs_work_t *new_work(rs_engine_t *e, const char *name, const rs_request_t 
         free(w);
         return NULL;
     }
-    w->meta = rs_request_meta(r);
+    w->meta = request_meta(e, r);
     w->sendbuf = r->sendbuf;
     w->recvbuf = r->recvbuf;
     w->start_now = r->start_now;
@@ -669,17 +740,64 @@ static void queue_all(rs_engine_t *e, const int64_t *handles, int n) {
     }
 }
 
+/* Under mu: names[i] for a collective, the message's name for a send or recv (made[i],
+ * which the caller frees). */
+static rs_status_t name_messages(rs_engine_t *e, const char **names, const rs_request_t *requests,
+                                 int n, const char **use, char **made) {
+    int posted = e->p2p_in_flight;
+    for (int i = 0; i < n; i++) {
+        use[i] = names[i];
+        if (!is_p2p(requests[i].kind))
+            continue;
+        int earlier = 0;
+        for (int j = 0; j < i; j++)
+            earlier += requests[j].kind == requests[i].kind &&
+                       requests[j].root == requests[i].root && !(names[j] && *names[j]);
+        if (posted++ >= P2P_MAX_IN_FLIGHT)
+            return rs_error_set(&e->error, RS_ERR_USAGE, "%s: rank %d already has %d sends "
+                                "and recvs in flight, the most it may; synchronize some "
+                                "first (each waits for its peer's matching call)",
+                                rs_kind_name(requests[i].kind), e->comm->rank,
+                                P2P_MAX_IN_FLIGHT);
+        RS_CHECK(p2p_name(e, names[i], &requests[i], earlier, &made[i]));
+        use[i] = made[i];
+    }
+    return RS_OK;
+}
+
+/* Under mu, once a group is accepted: its messages count as in flight, and its unnamed
+ * ones take their places in their pairs' order. */
+static void count_messages(rs_engine_t *e, const char **names, const rs_request_t *requests,
+                           int n) {
+    for (int i = 0; i < n; i++) {
+        e->p2p_in_flight += is_p2p(requests[i].kind);
+        if (is_p2p(requests[i].kind) && !(names[i] && *names[i]))
+            (requests[i].kind == RS_KIND_SEND ? e->p2p_sent : e->p2p_received)[requests[i].root]++;
+    }
+}
+
 rs_status_t rs_engine_submit(rs_engine_t *e, const char **names, const rs_request_t *requests,
                              int n, int64_t *handles) {
     rs_status_t st;
     int wake = 0;
+    const char **use = n > 0 ? calloc((size_t)n, sizeof *use) : NULL;
+    char **made = n > 0 ? calloc((size_t)n, sizeof *made) : NULL;
     pthread_mutex_lock(&e->mu);
-    RS_CHECK_GOTO(validate_all(e, names, requests, n), st, out);
-    RS_CHECK_GOTO(accept_all(e, names, requests, n, handles), st, out);
+    if (n > 0 && (!use || !made))
+        RS_CHECK_GOTO(rs_error_set(&e->error, RS_ERR_NOMEM, "out of memory"), st, out);
+    if (n > 0)
+        RS_CHECK_GOTO(name_messages(e, names, requests, n, use, made), st, out);
+    RS_CHECK_GOTO(validate_all(e, use, requests, n), st, out);
+    RS_CHECK_GOTO(accept_all(e, use, requests, n, handles), st, out);
+    count_messages(e, names, requests, n);
     queue_all(e, handles, n);
     wake = e->sleeping;
 out:
     pthread_mutex_unlock(&e->mu);
+    for (int i = 0; made && i < n; i++)
+        free(made[i]);
+    free(made);
+    free(use);
     if (wake)
         wake_thread(e);
     return st;

@@ -80,6 +80,9 @@ char *rs_check_agreement(const rs_pending_t *p, int size);
 /* Remember a successfully run tensor so later submissions cost one bit. */
 void rs_negotiator_cache(rs_negotiator_t *n, const rs_pending_t *p);
 void rs_pending_free(rs_pending_t *p);
+/* Whether p is a point-to-point message (metadata kind "send": root the sender, op the
+ * receiver): ready once those two have submitted it; only they take part. */
+int rs_pending_is_p2p(const rs_pending_t *p);
 /* "[0, 2]": the ranks that have (want=1) or have not (want=0) submitted p. */
 void rs_pending_ranks(const rs_pending_t *p, int size, int want, char *out, size_t cap);
 /* Tensors waiting longer than `after` seconds, for the stall report: fills a message

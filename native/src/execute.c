@@ -241,7 +241,7 @@ static rs_status_t settle(rs_executor_t *x, rs_pending_t **group, int n, rs_stat
         rs_comm_error(x->comm, &why);
         st = rs_fail(x->comm, RS_ERR_COMM, "rank %d: %s '%s' failed while running (%s); the "
                      "communicator is broken, its peers may be mid-transfer",
-                     x->comm->rank, rs_kind_name(group[0]->metas[0].kind), group[0]->name,
+                     x->comm->rank, rs_kind_name(group[0]->mine->meta.kind), group[0]->name,
                      why.text);
     }
     if (st != RS_OK)
@@ -254,10 +254,72 @@ static rs_status_t settle(rs_executor_t *x, rs_pending_t **group, int n, rs_stat
     return st;
 }
 
+/* ---- point-to-point messages (see "point-to-point" in engine.c) ----
+ *
+ * Negotiation proved that both ends posted a message with the same dtype and shape, so
+ * the receiver's buffer takes exactly the bytes the sender sends. Every rank meets a run
+ * of ready messages at the same place in the agreed order, so their bytes sit between the
+ * same collectives' bytes on both ends of each stream. Within a run, this rank moves its
+ * messages in waves, each wave's transfers at once (a ring exchange costs one transfer's
+ * time, not one per rank): a wave ends before a message on a stream (peer and direction)
+ * it already uses, so a stream's messages keep their order. No deadlock: waves are
+ * consecutive pieces of the agreed order, so a transfer waits only for earlier ones, and
+ * the earliest unfinished message has both its ends at it. */
+#define P2P_WAVE_MAX 64
+
+static int same_stream(const rs_xfer_t *a, const rs_xfer_t *b) {
+    return a->peer == b->peer && a->is_send == b->is_send;
+}
+
+/* Runs one wave from the start of ready (a run of messages); *used: how many entries it
+ * settled or skipped (messages between other ranks, disagreements). */
+static rs_status_t p2p_wave(rs_executor_t *x, rs_pending_t **ready, int nready, int *used) {
+    rs_comm_t *comm = x->comm;
+    rs_xfer_t xfers[P2P_WAVE_MAX];
+    rs_pending_t *group[P2P_WAVE_MAX];
+    int nx = 0, ng = 0, j = 0;
+    for (; j < nready && ng < P2P_WAVE_MAX && rs_pending_is_p2p(ready[j]); j++) {
+        rs_pending_t *q = ready[j];
+        if (!q->mine)
+            continue; /* between two other ranks */
+        char *disagreement = rs_check_agreement(q, comm->size);
+        if (disagreement) { /* both ends find it: each fails it, no byte moves */
+            q->mine->status = RS_ERR_USAGE;
+            q->mine->error = disagreement;
+            continue;
+        }
+        const rs_meta_t *m = &q->metas[comm->rank];
+        size_t bytes = tensor_bytes(m);
+        rs_xfer_t t = comm->rank == m->root ? rs_send_to(m->op, q->mine->sendbuf, bytes)
+                                            : rs_recv_from(m->root, q->mine->recvbuf, bytes);
+        int clash = 0;
+        for (int k = 0; k < nx && bytes; k++)
+            clash |= same_stream(&xfers[k], &t);
+        if (clash)
+            break; /* it starts the next wave */
+        if (bytes)
+            xfers[nx++] = t;
+        group[ng++] = q;
+    }
+    *used = j;
+    double start = rs_now();
+    rs_status_t st = nx ? rs_progress(comm, xfers, nx) : RS_OK;
+    for (int k = 0; k < ng; k++)
+        span(x, group[k], comm->rank == group[k]->metas[comm->rank].root ? "SEND" : "RECV",
+             start);
+    return ng ? settle(x, group, ng, st) : st;
+}
+
 rs_status_t rs_execute(rs_executor_t *x, rs_pending_t **ready, int nready) {
     int i = 0;
     while (i < nready) {
         rs_pending_t *p = ready[i];
+        if (rs_pending_is_p2p(p)) {
+            int used;
+            RS_CHECK(p2p_wave(x, ready + i, nready - i, &used));
+            i += used;
+            continue;
+        }
         char *disagreement = rs_check_agreement(p, x->comm->size);
         if (disagreement) { /* every rank finds the same: each fails it alike */
             p->mine->status = RS_ERR_USAGE;

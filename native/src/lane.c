@@ -36,7 +36,7 @@ rs_status_t rs_engine_try_lane(rs_engine_t *e, const char *name, const rs_reques
                                int *ran) {
     rs_direct_t *lane = rs_engine_lane(e);
     *ran = 0;
-    if (!lane || r->kind == RS_KIND_JOIN)
+    if (!lane || r->kind == RS_KIND_JOIN || r->kind == RS_KIND_SEND || r->kind == RS_KIND_RECV)
         return RS_OK;
     rs_status_t st = rs_engine_validate(e, name, r);
     if (st != RS_OK) {

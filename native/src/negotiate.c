@@ -47,8 +47,10 @@ void rs_negotiator_free(rs_negotiator_t *n) {
 }
 
 static int cacheable(int kind) {
-    /* Gathers carry a per-rank first dimension, so their metadata differ by rank. */
-    return kind != RS_KIND_ALLGATHER && kind != RS_KIND_ALLTOALL && kind != RS_KIND_JOIN;
+    /* Gathers carry a per-rank first dimension, so their metadata differ by rank; a
+     * message concerns two ranks, and unnamed ones are never named twice. */
+    return kind != RS_KIND_ALLGATHER && kind != RS_KIND_ALLTOALL && kind != RS_KIND_JOIN &&
+           kind != RS_KIND_SEND;
 }
 
 static int cache_id(const rs_negotiator_t *n, const char *name) {
@@ -57,7 +59,7 @@ static int cache_id(const rs_negotiator_t *n, const char *name) {
 }
 
 void rs_negotiator_cache(rs_negotiator_t *n, const rs_pending_t *p) {
-    int kind = p->metas[0].kind;
+    int kind = p->metas[p->last_rank].kind; /* (a message's rank 0 may be no end of it) */
     if (!cacheable(kind) || p->count < n->size || n->used >= n->capacity ||
         cache_id(n, p->name) >= 0)
         return;
@@ -106,8 +108,17 @@ static rs_status_t join_recorded(rs_negotiator_t *n, rs_pending_t *join, pending
     return RS_OK;
 }
 
-/* Every rank has submitted p, or has joined (and will take part with zeros). */
+int rs_pending_is_p2p(const rs_pending_t *p) {
+    return p->metas[p->last_rank].kind == RS_KIND_SEND;
+}
+
+/* Every rank has submitted p, or has joined (and will take part with zeros); a message:
+ * its sender and its receiver have (a peer's metadata were range-checked on arrival). */
 static int ready_everywhere(const rs_negotiator_t *n, rs_pending_t *p) {
+    if (rs_pending_is_p2p(p)) {
+        const rs_meta_t *m = &p->metas[p->last_rank];
+        return p->submitted[m->root] && p->submitted[m->op];
+    }
     if (p->count == n->size)
         return 1;
     if (p == n->join || !n->join)
@@ -285,7 +296,7 @@ static rs_status_t collect_ready(rs_negotiator_t *n, pending_list_t *touched,
         rs_pending_t *p = touched->items[i];
         if (ready_everywhere(n, p) && rs_map_get(&n->pending, p->name) == p) {
             rs_map_remove(&n->pending, p->name);
-            if (p->count < n->size)
+            if (p->count < n->size && !rs_pending_is_p2p(p))
                 fill_joined_metas(n, p);
             if (p == n->join)
                 n->join = NULL; /* every rank has joined: the join ends */
@@ -469,7 +480,36 @@ static char *gather_too_large(const rs_pending_t *p, int size) {
     return NULL;
 }
 
+/* A message: its two ends name the same sender and receiver (no third rank posted it),
+ * and the receiver's buffer has the sender's dtype and shape. */
+static char *p2p_mismatch(const rs_pending_t *p, int size) {
+    const rs_meta_t *m = &p->metas[p->last_rank];
+    const rs_meta_t *s = &p->metas[m->root], *r = &p->metas[m->op];
+    for (int k = 0; k < size; k++)
+        if (p->submitted[k] && (k != m->root && k != m->op))
+            return rs_strdup_printf("message '%s': rank %d posted it too, but it goes from "
+                                    "rank %d to rank %d", p->name, k, m->root, m->op);
+    if (s->kind != RS_KIND_SEND || r->kind != RS_KIND_SEND || s->root != r->root ||
+        s->op != r->op)
+        return rs_strdup_printf("message '%s': ranks %d and %d disagree on what it is", p->name,
+                                m->root, m->op);
+    if (s->dtype != r->dtype)
+        return rs_strdup_printf("Mismatched send/recv dtypes for '%s': rank %d sends %s, rank "
+                                "%d receives into %s", p->name, m->root, rs_dtype_name(s->dtype),
+                                m->op, rs_dtype_name(r->dtype));
+    if (!shapes_agree(s, r)) {
+        char ss[256], sr[256];
+        shape_text(s, ss, sizeof ss);
+        shape_text(r, sr, sizeof sr);
+        return rs_strdup_printf("Mismatched send/recv shapes for '%s': rank %d sends %s, rank %d "
+                                "receives into %s", p->name, m->root, ss, m->op, sr);
+    }
+    return NULL;
+}
+
 char *rs_check_agreement(const rs_pending_t *p, int size) {
+    if (rs_pending_is_p2p(p))
+        return p2p_mismatch(p, size);
     if (p->count < size && p->metas[0].kind != RS_KIND_ALLREDUCE) {
         char joined[512];
         rs_pending_ranks(p, size, 0, joined, sizeof joined);
@@ -487,6 +527,17 @@ char *rs_check_agreement(const rs_pending_t *p, int size) {
 /* ---- stalls ---- */
 
 void rs_pending_ranks(const rs_pending_t *p, int size, int want, char *out, size_t cap) {
+    if (!want && rs_pending_is_p2p(p)) { /* only the message's two ends are awaited */
+        const rs_meta_t *m = &p->metas[p->last_rank];
+        unsigned char *flags = calloc((size_t)size, 1);
+        if (flags) {
+            flags[m->root] = !p->submitted[m->root];
+            flags[m->op] = !p->submitted[m->op];
+            rs_format_ranks(flags, size, 1, out, cap);
+            free(flags);
+            return;
+        }
+    }
     rs_format_ranks(p->submitted, size, want, out, cap);
 }
 

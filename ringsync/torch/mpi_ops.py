@@ -205,6 +205,79 @@ def barrier(process_set=PS):
     _comm(process_set).barrier()
 
 
+# ---- point-to-point ----
+# dst and src are ranks of the process set (its own numbering, 0..size-1), unlike the
+# collectives' root_rank: a message names the set's ranks as Communicator.send does.
+
+def send_async(tensor, dst, name=None, process_set=PS) -> Handle:
+    """Start sending tensor to rank dst; synchronize returns None once dst received it.
+    Unnamed messages between a pair match in order, named ones by name."""
+    arr, _ = host_view(tensor, "send_async")  # (the handle keeps a host copy alive)
+    return _comm(process_set).send_async(arr, dst, name)
+
+
+def recv_async(tensor, src, name=None, process_set=PS) -> Handle:
+    """Start receiving rank src's message into tensor (the sender's dtype and shape);
+    synchronize returns tensor."""
+    return _in_place(lambda a: _comm(process_set).recv_async(a, src, name), tensor,
+                     "recv_async")
+
+
+def send(tensor, dst, name=None, process_set=PS):
+    """Send tensor to rank dst; returns once dst has received it. Differentiable: where
+    tensor requires grad, returns a token (an empty tensor in the graph); backward through
+    it receives the gradient dst's recv sends back and gives it to tensor. Include the
+    token in what you call backward on (torch.autograd.backward([loss, token])). Else None."""
+    if torch.is_grad_enabled() and tensor.requires_grad:
+        return _Send.apply(tensor, dst, name, process_set)
+    synchronize(send_async(tensor, dst, name, process_set))
+    return None
+
+
+def recv(tensor, src, name=None, process_set=PS):
+    """Receive rank src's message into tensor and return it. Differentiable: where tensor
+    requires grad (it is then a template, left as it is), returns a new tensor in the
+    graph holding the message; backward sends its gradient back to src (the sender's
+    token receives it)."""
+    if torch.is_grad_enabled() and tensor.requires_grad:
+        return _Recv.apply(tensor, src, name, process_set)
+    return synchronize(recv_async(tensor, src, name, process_set))
+
+
+class _Send(torch.autograd.Function):
+    """The gradient of a send is a receive of the gradient (from the receiver)."""
+
+    @staticmethod
+    def forward(ctx, tensor, dst, name, process_set):
+        ctx.args = (dst, name, process_set)
+        ctx.like = torch.empty_like(tensor)
+        synchronize(send_async(tensor, dst, name, process_set))
+        return tensor.new_zeros(0)
+
+    @staticmethod
+    def backward(ctx, _token_grad):
+        dst, name, process_set = ctx.args
+        grad = synchronize(recv_async(ctx.like, dst, grad_name(name), process_set))
+        return grad, None, None, None
+
+
+class _Recv(torch.autograd.Function):
+    """The gradient of a receive is sent back to the sender."""
+
+    @staticmethod
+    def forward(ctx, template, src, name, process_set):
+        ctx.args = (src, name, process_set)
+        with torch.no_grad():
+            out = torch.empty_like(template)
+        return synchronize(recv_async(out, src, name, process_set))
+
+    @staticmethod
+    def backward(ctx, grad):
+        src, name, process_set = ctx.args
+        synchronize(send_async(grad.contiguous(), src, grad_name(name), process_set))
+        return None, None, None, None
+
+
 def join(device=-1) -> int:
     """This rank has run out of data: it takes part in the other ranks' allreduces with
     zeros until every rank has joined; returns the last rank to join. (`device` is
@@ -479,6 +552,7 @@ __all__ = [
     "sparse_allreduce_async", "allgather", "allgather_async", "grouped_allgather",
     "grouped_allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
     "reducescatter", "reducescatter_async", "grouped_reducescatter",
-    "grouped_reducescatter_async", "alltoall", "alltoall_async", "barrier", "join", "poll",
+    "grouped_reducescatter_async", "alltoall", "alltoall_async", "send", "send_async", "recv",
+    "recv_async", "barrier", "join", "poll",
     "synchronize", "Average", "Sum", "Min", "Max", "Product", "Adasum",
 ]

@@ -25,6 +25,28 @@ def test_every_check_through_the_module_api():
         rs.allreduce(np.ones(2))
 
 
+@pytest.mark.ranks(3, timeout=120, env=ENV)
+def test_point_to_point_through_the_module_api():
+    """send / recv over the MPI rendezvous: a ring exchange on the world, then a message
+    inside a process set, whose ranks are the set's own."""
+    rs.init()
+    r, n = rs.rank(), rs.size()
+    sent = rs.send_async(np.full(5, r, np.int32), (r + 1) % n)
+    got = rs.recv(np.empty(5, np.int32), (r - 1) % n)
+    rs.synchronize(sent)
+    assert got.tolist() == [(r - 1) % n] * 5
+    ends = rs.add_process_set([0, 2])
+    if ends.included():
+        mine = ends.rank()
+        if mine == 0:
+            rs.send(np.arange(3.0), 1, name="in.set", process_set=ends)
+        else:
+            out = rs.recv(np.empty(3), 0, name="in.set", process_set=ends)
+            assert out.tolist() == [0.0, 1.0, 2.0]
+    rs.remove_process_set(ends)
+    rs.shutdown()
+
+
 @pytest.mark.ranks([3, 4], env=ENV)
 def test_topology_queries():
     from mpi4py import MPI
