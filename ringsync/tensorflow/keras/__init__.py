@@ -85,13 +85,16 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self._reducer = GradientReducer(compression, op, gradient_predivide_factor,
                                         sparse_as_dense, num_groups, groups, process_set,
                                         scale_local_gradients, "keras.DistributedOptimizer")
-        self._compression = compression
         self._passes = backward_passes_per_step
         self._average_aggregated = bool(average_aggregated_gradients)
         self._accumulators = None
         # Tensor names must agree across ranks; Keras's auto-names (sgd, sgd_1, ...) count
         # every optimizer the process made, so count only these wrappers instead.
         self._reduce_name = f"keras.opt{next(_instances)}.grads"
+
+    @property
+    def _compression(self):
+        return self._reducer.compression
 
     def register_local_var(self, var):
         """var's gradient stays on this rank (model parallelism for that variable)."""
@@ -258,7 +261,6 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
     if optimizer is None:
         return model
     if isinstance(optimizer, DistributedOptimizer):
-        optimizer._compression = compression
         optimizer._reducer.compression = compression
     else:
         model.optimizer = DistributedOptimizer(optimizer, compression=compression)
