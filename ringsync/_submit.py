@@ -231,7 +231,9 @@ class Submitter:
         finally:
             for h in handle._ids:
                 lib.rs_engine_release(engine, h)
-            handle._done, handle._keep = True, None
+            # (dropping _finish breaks the cycle through closures that name the handle, so
+            # the result is freed as soon as the caller lets go of it, not at the next gc)
+            handle._done, handle._keep, handle._finish = True, None, None
         return handle._result
 
     def take_result(self, handle_id):

@@ -36,4 +36,5 @@ from .mpi_ops import (allgather, allgather_async, allreduce, allreduce_, allredu
                       sparse_allreduce_async, synchronize)
 from .optimizer import DistributedOptimizer
 from .sharded import ShardedOptimizer
+from .sharded_module import ShardedModule
 from .sync_batch_norm import SyncBatchNorm

@@ -15,8 +15,11 @@ rank steps its slice, and the updated slices are allgathered into the full param
   DistributedOptimizer); this rank's slice of it feeds its optimizer.
 - stage 2: gradients are reduce-scattered: each rank receives its slice of the average only
   and every full p.grad is dropped (set to None).
-The reduction happens in step() (or an explicit synchronize()), after backward: it is not
-overlapped with backward yet. offload=True keeps the master slices, their gradients and the
+- stage 3: the parameters are a ShardedModule's slices (sharded_module.py), whose backward
+  pass reduce-scattered their gradients already: step() steps them with the wrapped
+  optimizer itself, and the next forward gathers them.
+At stages 1 and 2 the reduction happens in step() (or an explicit synchronize()), after
+backward: it is not overlapped with backward yet. offload=True keeps the master slices, their gradients and the
 optimizer state in a separate host (CPU) buffer, pinned when CUDA is there, and steps there.
 """
 import contextlib
@@ -77,8 +80,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         state is imported as with load_state_dict). It is kept for its param_groups
         (which LR schedulers change; step() passes every hyperparameter on) and rebuilt
         as `type(optimizer)(groups, **optimizer.defaults)` over this rank's slices.
-        named_parameters: names for messages. stage: 1 (optimizer state sharded) or 2
-        (gradients too). process_set: the ranks that share the work (a ProcessSet or
+        named_parameters: names for messages. stage: 1 (optimizer state sharded), 2
+        (gradients too) or 3 (the optimizer is over ShardedModule.parameters()). process_set: the ranks that share the work (a ProcessSet or
         Communicator). offload: master slices and optimizer state in host memory.
         Parameters with requires_grad=False are not sharded and never updated."""
         # No super().__init__(), as DistributedOptimizer: the param_groups are the wrapped
@@ -86,9 +89,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise UsageError(f"ShardedOptimizer wraps a torch.optim.Optimizer, got "
                              f"{type(optimizer).__name__}")
-        if isinstance(stage, bool) or stage not in (1, 2):
-            raise UsageError(f"ShardedOptimizer: stage must be 1 or 2, got {stage!r} (stage 3, "
-                             "sharded parameters, is not built yet)")
+        if isinstance(stage, bool) or stage not in (1, 2, 3):
+            raise UsageError(f"ShardedOptimizer: stage must be 1, 2 or 3, got {stage!r}")
         if not isinstance(offload, bool):
             raise UsageError(f"ShardedOptimizer: offload must be True or False, got {offload!r}")
         self._optimizer, self._stage, self._offload = optimizer, stage, offload
@@ -98,7 +100,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._prefix = f"zero.opt{next(_instances)}"
         self._all = [p for g in optimizer.param_groups for p in g["params"]]
         names = _names(self._all, named_parameters)
+        _check_stage(self._all, names, stage, offload)
         self._device = _check_parameters(self._all, names)
+        self._reduced = False
+        self._should_synchronize = True
+        if stage == 3:  # the ShardedModule's slices: stepped as they are
+            self._runs, self._shards, self._inner = {}, [], optimizer
+            return
         self._runs = {}  # dtype -> _Run, in order of first appearance
         trainable = [p for p in self._all if p.requires_grad]
         for p in trainable:
@@ -107,8 +115,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
                       for d in self._runs}
         self._shards = self._make_shards(optimizer.param_groups)
         self._inner = self._make_inner(optimizer)
-        self._reduced = False
-        self._should_synchronize = True
         if optimizer.state:  # a stepped optimizer: keep what it learnt
             self.load_state_dict(optimizer.state_dict())
             optimizer.state.clear()
@@ -197,6 +203,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._reduced:
             return
         self._check_set()
+        if self._stage == 3:  # the backward pass reduce-scattered them already
+            self._reduced = True
+            return
         runs = list(self._runs.values())
         flats = [torch.cat([(p.grad.to_dense() if p.grad is not None and p.grad.is_sparse
                              else p.grad if p.grad is not None else torch.zeros_like(p))
@@ -245,7 +254,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._reduced = False
         self._pass_hyperparameters()
         self._inner.step()
-        self._allgather_parameters()
+        if self._stage != 3:  # (stage 3: the next forward gathers them)
+            self._allgather_parameters()
         return loss
 
     def _allgather_parameters(self):
@@ -270,8 +280,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         this rank's master slices), "gradients" (p.grad kept and the shard gradients),
         "optimizer_state" (the shard optimizer's state). Tensors sharing storage count once."""
         grads = [p.grad for p in self._all] + [s.master.grad for s in self._shards]
-        state = [v for st in itertools.chain(self._inner.state.values(),
-                                             self._optimizer.state.values())
+        states = [self._inner.state] if self._inner is self._optimizer else \
+            [self._inner.state, self._optimizer.state]
+        state = [v for st in itertools.chain(*(s.values() for s in states))
                  for v in st.values() if torch.is_tensor(v)]
         return {"parameters": _held(self._all + [s.master for s in self._shards]),
                 "gradients": _held(grads), "optimizer_state": _held(state)}
@@ -288,6 +299,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "shard": self._inner.state_dict()}
 
     def _layout(self):
+        if self._stage == 3:
+            return [(str(p.dtype), p._ringsync_unit.numel) for p in self._all]
         return [(str(d), run.numel) for d, run in self._runs.items()]
 
     def load_state_dict(self, state_dict):
@@ -299,6 +312,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise UsageError("ShardedOptimizer.load_state_dict: expected a ShardedOptimizer "
                              "state_dict() or a torch optimizer state dict")
         meta = state_dict.get("ringsync_sharded")
+        if meta is None and self._stage == 3:
+            raise UsageError("ShardedOptimizer(stage=3).load_state_dict takes its own "
+                             "state_dict(); use ringsync.checkpoint to change the rank count")
         if meta is None:
             self._inner.load_state_dict(self._slice_full(state_dict))
         else:
@@ -351,6 +367,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         of the job); None on the other ranks. Every rank of the set must call it. The
         shards travel as one allgather: each rank briefly holds the whole state."""
         self._check_set()
+        if self._stage == 3:
+            raise UsageError("ShardedOptimizer(stage=3).consolidate_state_dict is not "
+                             "supported: save with ringsync.checkpoint.save")
         self._pass_hyperparameters()
         mine = {i: {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in
                     self._inner.state.get(s.master, {}).items()}
@@ -444,6 +463,23 @@ def _names(params, named_parameters):
         raise UsageError(f"ShardedOptimizer: named_parameters does not name every parameter "
                          f"of the optimizer (parameters at positions {missing[:10]} are missing)")
     return [by_param[p] for p in params]
+
+
+def _check_stage(params, names, stage, offload):
+    """Stage 3 steps a ShardedModule's slices, and only those; stages 1 and 2 shard whole
+    parameters, never such slices."""
+    sliced = [hasattr(p, "_ringsync_unit") for p in params]
+    if stage == 3:
+        if offload:
+            raise UsageError("ShardedOptimizer: offload=True is not supported at stage 3")
+        if not all(sliced):
+            name = names[sliced.index(False)]
+            raise UsageError(f"ShardedOptimizer(stage=3) steps a ShardedModule's parameters; "
+                             f"{name} is not one (pass sharded_module.parameters())")
+    elif any(sliced):
+        name = names[sliced.index(True)]
+        raise UsageError(f"ShardedOptimizer(stage={stage}): {name} is already a ShardedModule "
+                         "slice; use stage=3")
 
 
 def _check_parameters(params, names):

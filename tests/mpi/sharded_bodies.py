@@ -1,5 +1,6 @@
-"""ShardedOptimizer (ZeRO stages 1 and 2) on every rank under mpirun: the same parameters
-as DistributedOptimizer after several steps, memory() per rank, state dicts, bad input.
+"""ShardedOptimizer (ZeRO stages 1 and 2) and ShardedModule (stage 3) on every rank under
+mpirun: the same parameters as DistributedOptimizer after several steps, memory() per rank,
+state dicts, bad input.
 Data differs by rank; the model's parameter sizes divide by neither 2 nor 3."""
 import copy
 
@@ -36,19 +37,22 @@ class _Model(torch.nn.Module):
 
 
 def _optimizer(model, kind):
-    groups = [{"params": list(model.l1.parameters())},
-              {"params": [*model.l2.parameters(), model.extra, model.frozen], "lr": 0.03,
-               "weight_decay": 0.01}]
+    return _grouped_optimizer(kind, list(model.l1.parameters()),
+                              [*model.l2.parameters(), model.extra, model.frozen])
+
+
+def _grouped_optimizer(kind, first, second):
+    groups = [{"params": first}, {"params": second, "lr": 0.03, "weight_decay": 0.01}]
     if kind == "adam":
         return torch.optim.Adam(groups, lr=0.01)
     return torch.optim.SGD(groups, lr=0.05, momentum=0.9, nesterov=True)
 
 
-def _train(model, opt, steps, first=0):
+def _train(model, opt, steps, first=0, loss=lambda model, step: model.loss(step)):
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     for step in range(first, first + steps):
         opt.zero_grad()
-        model.loss(step).backward()
+        loss(model, step).backward()
         opt.step()
         sched.step()
     return sched
@@ -187,9 +191,10 @@ def bad_arguments():
     hvd.init()
     model = _Model()
     make = lambda **kw: hvd.ShardedOptimizer(_optimizer(model, "sgd"), **kw)  # noqa: E731
-    _raises(lambda: make(stage=3), "stage must be 1 or 2")
-    _raises(lambda: make(stage=True), "stage must be 1 or 2")
-    _raises(lambda: make(stage="1"), "stage must be 1 or 2")
+    _raises(lambda: make(stage=4), "stage must be 1, 2 or 3")
+    _raises(lambda: make(stage=True), "stage must be 1, 2 or 3")
+    _raises(lambda: make(stage="1"), "stage must be 1, 2 or 3")
+    _raises(lambda: make(stage=3), "steps a ShardedModule's parameters")
     _raises(lambda: make(offload="yes"), "offload must be True or False")
     _raises(lambda: hvd.ShardedOptimizer(model), "wraps a torch.optim.Optimizer")
     _raises(lambda: make(named_parameters=list(model.named_parameters())[:2]),
@@ -232,3 +237,143 @@ def on_a_process_set():
         assert (full is not None) == (me == 0)
     assert hvd.remove_process_set(pair)
     hvd.shutdown()
+
+
+class _Whole(_Model):
+    """_Model with the whole loss as its forward (stage 3 gathers a module's parameters in
+    its forward), every parameter reaching the loss on every rank (stage 3's gathers in
+    backward are collectives), l2 used twice in one forward."""
+
+    def forward(self, step):
+        g = torch.Generator().manual_seed(1000 * hvd.rank() + step)
+        dtype = self.extra.dtype  # (l1.weight exists only while l1 runs)
+        x = torch.randn(6, 13, generator=g).to(dtype)
+        h = torch.tanh(self.l1(x))
+        out = self.l2(h) + self.l2(h * h)
+        w = torch.randn(11, generator=g).to(dtype)
+        return (out ** 2).mean() + (self.frozen.sum() * out).mean() + (self.extra * w).sum() ** 2
+
+
+def _stage3_optimizer(sharded, kind):
+    """_optimizer's groups and hyperparameters, over the slices of the same modules."""
+    by_path = {}
+    for path, piece, _ in sharded.units():
+        by_path.setdefault(path, []).append(piece)
+    return _grouped_optimizer(kind, by_path["l1"], by_path["l2"] + by_path[""])
+
+
+def _train_whole(model, opt, steps):
+    return _train(model, opt, steps, loss=lambda model, step: model(step))
+
+
+def _same_as_whole(sharded, ref, rtol, what):
+    expected = dict(ref.named_parameters())
+    with sharded.gathered_parameters() as full:
+        names = [n for n, _ in full.named_parameters()]
+        assert sorted(names) == sorted(expected), (what, names)
+        for name, p in full.named_parameters():
+            _close(p.detach(), expected[name].detach(), rtol, f"{what}: {name}")
+
+
+def stage3_same_as_distributed_optimizer():
+    """ShardedModule + ShardedOptimizer(stage=3), Adam and SGD with Nesterov momentum: the
+    same parameters as DistributedOptimizer to 1e-10; between steps a rank holds 1/N of
+    the parameters, gradients and optimizer state (+ one element per unit); a plain torch
+    optimizer over the slices gives the same."""
+    hvd.init()
+    size = hvd.size()
+    units, elements = 4, 609  # (extra; frozen; l1; l2), every parameter element
+    for kind in ("adam", "sgd"):
+        ref = _Whole()
+        ref_opt = hvd.DistributedOptimizer(_optimizer(ref, kind), ref.named_parameters())
+        _train_whole(ref, ref_opt, STEPS)
+        unsharded_state = _state_bytes(ref_opt)
+        for wrapped in (True, False):
+            what = f"stage 3 {kind} {'ShardedOptimizer' if wrapped else 'plain optimizer'}"
+            sharded = hvd.ShardedModule(_Whole())
+            opt = _stage3_optimizer(sharded, kind)
+            if wrapped:
+                opt = hvd.ShardedOptimizer(opt, sharded.named_parameters(), stage=3)
+            _train_whole(sharded, opt, STEPS)
+            loss = sharded(STEPS)  # between forward and backward: no run kept for backward
+            assert sharded.memory()["parameters"] <= (elements / size + units) * 8, \
+                (what, sharded.memory())
+            loss.backward()
+            mem = sharded.memory()
+            assert mem["parameters"] <= (elements / size + units) * 8, (what, mem)
+            assert 0 < mem["gradients"] <= (605 / size + 3) * 8, (what, mem)
+            opt.zero_grad()
+            assert all(getattr(sharded.module.l1, n) is None for n in ("weight", "bias"))
+            if wrapped:
+                assert opt.memory()["optimizer_state"] <= unsharded_state / size + 64, \
+                    (what, opt.memory(), unsharded_state)
+                assert opt.memory()["parameters"] == mem["parameters"]
+            _same_as_whole(sharded, ref, 1e-10, what)
+    hvd.shutdown()
+
+
+def stage3_details():
+    """gathered_parameters() writes changes back; state_dict()/load_state_dict() resume
+    exactly; mixed precision computes in bfloat16 and keeps float32 slices; bad input."""
+    hvd.init()
+    me, size = hvd.rank(), hvd.size()
+    ref = _Whole()
+    ref_opt = hvd.DistributedOptimizer(_optimizer(ref, "adam"), ref.named_parameters())
+    _train_whole(ref, ref_opt, 2 * STEPS)
+    sharded = hvd.ShardedModule(_Whole())
+    opt = hvd.ShardedOptimizer(_stage3_optimizer(sharded, "adam"), stage=3)
+    schedule = _train_whole(sharded, opt, STEPS).state_dict()
+    saved_model, saved_opt = copy.deepcopy(sharded.state_dict()), opt.state_dict()
+    resumed = hvd.ShardedModule(_Whole())
+    resumed.load_state_dict(saved_model)
+    again = hvd.ShardedOptimizer(_stage3_optimizer(resumed, "adam"), stage=3)
+    again.load_state_dict(saved_opt)
+    sched = torch.optim.lr_scheduler.StepLR(again, step_size=2, gamma=0.5)
+    sched.load_state_dict(schedule)
+    for step in range(STEPS, 2 * STEPS):
+        again.zero_grad()
+        resumed(step).backward()
+        again.step()
+        sched.step()
+    _same_as_whole(resumed, ref, 1e-10, "stage 3 resumed from state_dict()")
+    if size > 1:
+        other = broadcast_object(saved_opt, 1, name="stage3.rank1")
+        if me != 1:
+            _raises(lambda: again.load_state_dict(other), "the state was saved by")
+    # gathered_parameters: changes inside are kept, on every rank's slice.
+    with sharded.gathered_parameters() as full:
+        before = full.l1.weight.detach().clone()
+        with torch.no_grad():
+            full.l1.weight.add_(1.0)
+    with sharded.gathered_parameters() as full:
+        _close(full.l1.weight.detach(), before + 1.0, 1e-15, "writeback")
+    assert sharded.module.l1.weight is None
+    # mixed precision: bfloat16 compute, float32 slices; close to the float32 run.
+    ref32 = _Whole(torch.float32)
+    opt32 = hvd.DistributedOptimizer(_optimizer(ref32, "sgd"), ref32.named_parameters())
+    _train_whole(ref32, opt32, STEPS)
+    low = hvd.ShardedModule(_Whole(torch.float32), mixed_precision=torch.bfloat16)
+    assert low(0).dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in low.parameters())
+    low_opt = hvd.ShardedOptimizer(_stage3_optimizer(low, "sgd"), stage=3)
+    _train_whole(low, low_opt, STEPS)
+    assert all(p.grad is None or p.grad.dtype == torch.float32 for p in low.parameters())
+    _same_as_whole(low, ref32, 3e-2, "bfloat16 compute")
+    # bad input
+    _raises(lambda: hvd.ShardedModule(torch.nn.Tanh()), "no parameters to shard")
+    _raises(lambda: hvd.ShardedModule(_Whole(), mixed_precision=torch.float64),
+            "mixed_precision must be")
+    tied = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    tied[1].weight = tied[0].weight
+    _raises(lambda: hvd.ShardedModule(tied), "shared by two modules")
+    _raises(lambda: hvd.ShardedOptimizer(_stage3_optimizer(_keep(sharded), "sgd"), stage=1),
+            "already a ShardedModule slice")
+    _raises(lambda: hvd.ShardedOptimizer(_stage3_optimizer(sharded, "sgd"), stage=3,
+                                         offload=True), "offload=True is not supported")
+    with sharded.gathered_parameters():
+        _raises(lambda: sharded.gathered_parameters().__enter__(), "already inside one")
+    hvd.shutdown()
+
+
+def _keep(x):
+    return x

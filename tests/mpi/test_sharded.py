@@ -1,5 +1,6 @@
-"""ringsync.torch.ShardedOptimizer (ZeRO stages 1 and 2): tests/mpi/sharded_bodies.py, all
-bodies in one mpirun job per rank count (see tests/mpi/in_order.py)."""
+"""ringsync.torch.ShardedOptimizer (ZeRO stages 1 and 2) and ShardedModule (stage 3):
+tests/mpi/sharded_bodies.py, all bodies in one mpirun job per rank count (see
+tests/mpi/in_order.py)."""
 import pytest
 
 pytest.importorskip("torch")
@@ -13,7 +14,7 @@ pytestmark = pytest.mark.requires_mpirun
 MODULE = "tests.mpi.sharded_bodies"
 ENV = {"RINGSYNC_TIMEOUT_SECONDS": "60", "OMP_NUM_THREADS": "1"}
 BODIES = ["same_as_distributed_optimizer", "state_dicts_and_mixed_dtypes", "bad_arguments",
-          "on_a_process_set"]
+          "on_a_process_set", "stage3_same_as_distributed_optimizer", "stage3_details"]
 
 
 @pytest.mark.parametrize("np", [2, 3])

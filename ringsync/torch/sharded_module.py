@@ -1,0 +1,302 @@
+"""ShardedModule: ZeRO stage 3 for PyTorch — parameters stored sharded over a process set.
+
+Each submodule that owns parameters directly (a Linear, a custom module with its own
+weights) has them laid end to end in one flat run per dtype and trainability (a "unit"); every rank of the set keeps one
+contiguous slice of it (split as even_split splits), as a torch.nn.Parameter of the
+ShardedModule. The submodule's own attributes (weight, bias) are removed and, only while
+it runs, set to views of the gathered run:
+
+- forward: a pre-hook allgathers the unit's run (in the compute dtype), the forward runs on
+  views of it, a post-hook drops the views. Tensors autograd saves for backward that are
+  views of a gathered run are not kept: a saved-tensor hook records where they lie and
+  gathers the run again when backward needs them (Linear saves its weight, say).
+- backward: the gathered run's gradient is reduce-scattered (averaged over the set, as
+  DistributedOptimizer's op=Average) straight into the gradient of this rank's slice.
+
+So between steps a rank holds 1/N of every parameter (plus one element per unit at most),
+and at most one unit's run is gathered at a time on a straight forward or backward pass.
+Any torch optimizer over ShardedModule.parameters() steps the slices (ShardedOptimizer with
+stage=3 adds memory() and sharded state dicts). Buffers (BatchNorm statistics) stay
+replicated. mixed_precision=torch.bfloat16 (or float16): runs are gathered and computed in
+that dtype, the slices (the master copy) and their gradients stay in the parameters' dtype,
+and gradients are reduced in it.
+
+Every rank of the set must run the same forwards and backwards in the same order: the
+gathers and reductions are collectives, so a unit whose output reaches the loss on some
+ranks only leaves the others waiting (until RINGSYNC_TIMEOUT_SECONDS, then an error naming
+the collective). FSDP asks the same. Not supported: a parameter shared
+by two modules, double backward (create_graph=True) through a unit's saved weights.
+"""
+import contextlib
+import itertools
+import weakref
+
+import torch
+
+from ringsync import Average
+from ringsync._core import even_split
+from ringsync.errors import UsageError
+from ringsync.objects import allgather_object
+from ringsync.process_sets import global_process_set
+
+from . import mpi_ops
+from .sharded import _held
+
+_instances = itertools.count()  # collective names of each module, in construction order
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class _Unit:
+    """One submodule's own parameters of one dtype and trainability as a flat run; this
+    rank keeps elements [lo, hi)."""
+
+    def __init__(self, path, module, names, params, rank, size, name):
+        self.path, self.module, self.names, self.name = path, module, names, name
+        self.shapes = [p.shape for p in params]
+        self.offsets = list(itertools.accumulate((p.numel() for p in params), initial=0))
+        self.numel = self.offsets[-1]
+        self.dtype = params[0].dtype
+        counts = even_split(self.numel, size)
+        self.starts = list(itertools.accumulate(counts, initial=0))
+        self.lo, self.hi = self.starts[rank], self.starts[rank + 1]
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        self.shard = torch.nn.Parameter(flat[self.lo: self.hi].clone(),
+                                        requires_grad=params[0].requires_grad)
+        self.shard._ringsync_unit = self  # (ShardedOptimizer(stage=3) recognises its shards)
+        self.gathered = None  # the run while the forward runs
+        self.regathered = None  # the run gathered again for backward
+        self.alive = weakref.WeakSet()  # every run gathered and not freed yet (for memory())
+
+    def views(self, full):
+        return [full[a: b].view(shape) for a, b, shape in
+                zip(self.offsets, self.offsets[1:], self.shapes)]
+
+    def set_attributes(self, tensors):
+        for name, t in zip(self.names, tensors):
+            setattr(self.module, name, t)
+
+
+class _GatherRun(torch.autograd.Function):
+    """The unit's full run from every rank's slice; backward reduce-scatters its gradient
+    into the slice's."""
+
+    @staticmethod
+    def forward(ctx, shard, unit, owner):
+        ctx.unit, ctx.owner = unit, owner
+        return owner._gather(unit, shard.detach(), "gather")
+
+    @staticmethod
+    def backward(ctx, grad):
+        unit, owner = ctx.unit, ctx.owner
+        unit.regathered = None  # every saved view of this pass has been used by now
+        grad = grad.to(unit.dtype).contiguous()
+        mine = mpi_ops.reducescatter(grad, name=f"{unit.name}.grad", op=Average,
+                                     process_set=owner._process_set)
+        return mine, None, None
+
+
+class _SavedView:
+    """What the saved-tensor hook keeps instead of a view of a gathered run."""
+    __slots__ = ("unit", "offset", "size", "stride")
+
+    def __init__(self, unit, t):
+        self.unit, self.offset, self.size, self.stride = \
+            unit, t.storage_offset(), t.size(), t.stride()
+
+
+class ShardedModule(torch.nn.Module):
+    def __init__(self, module, process_set=global_process_set, mixed_precision=None,
+                 broadcast_from_first_rank=True):
+        """module: the full model (its parameters are moved into the shards; keep using it
+        through this wrapper). process_set: the ranks that share the parameters.
+        mixed_precision: None, torch.bfloat16 or torch.float16 — the dtype runs are
+        gathered and computed in (floating inputs are cast to it too).
+        broadcast_from_first_rank: start every rank from the set's first rank's parameters
+        and buffers (as DistributedDataParallel does); False when they are known equal."""
+        super().__init__()
+        if not isinstance(module, torch.nn.Module):
+            raise UsageError(f"ShardedModule wraps a torch.nn.Module, got {type(module).__name__}")
+        if mixed_precision is not None and mixed_precision not in _LOW_PRECISION:
+            raise UsageError(f"ShardedModule: mixed_precision must be None, torch.bfloat16 or "
+                             f"torch.float16, got {mixed_precision!r}")
+        self.module = module
+        self._process_set, self._compute_dtype = process_set, mixed_precision
+        comm = mpi_ops._comm(process_set)
+        self._rank, self._size = comm.rank(), comm.size()
+        self._prefix = f"zero3.m{next(_instances)}"
+        if broadcast_from_first_rank:
+            self._broadcast_states()
+        self._units = self._make_units()
+        self.shards = torch.nn.ParameterList([u.shard for u in self._units])
+        self._gathered_by_storage = {}
+        self._full_parameters = False
+        for unit in self._units:
+            unit.module.register_forward_pre_hook(self._make_pre_hook(unit))
+            unit.module.register_forward_hook(self._make_post_hook(unit))
+
+    # ---- construction ----
+
+    def _broadcast_states(self):
+        root = _first_rank(self._process_set)
+        tensors = [t for t in itertools.chain(self.module.parameters(), self.module.buffers())]
+        if self._size > 1 and tensors:
+            with torch.no_grad():
+                handles = [mpi_ops.broadcast_async_(t, root, name=f"{self._prefix}.init.{i}",
+                                                    process_set=self._process_set)
+                           for i, t in enumerate(tensors)]
+                for h in handles:
+                    mpi_ops.synchronize(h)
+
+    def _make_units(self):
+        seen, units = {}, []
+        for path, sub in self.module.named_modules():
+            own = list(sub.named_parameters(recurse=False))
+            _check_parameters(path, own, seen)
+            kinds = dict.fromkeys((p.dtype, p.requires_grad) for _, p in own)
+            for kind in kinds:  # one run per dtype and trainability
+                names = [n for n, p in own if (p.dtype, p.requires_grad) == kind]
+                params = [p for n, p in own if (p.dtype, p.requires_grad) == kind]
+                units.append(_Unit(path, sub, names, params, self._rank, self._size,
+                                   f"{self._prefix}.u{len(units)}"))
+            for n, _ in own:
+                delattr(sub, n)  # the module's parameters now live in the slices
+                setattr(sub, n, None)
+        if not units:
+            raise UsageError("ShardedModule: the module has no parameters to shard")
+        return units
+
+    # ---- gathering ----
+
+    def _gather(self, unit, shard, phase):
+        """The unit's run from every rank's slice, in the compute dtype."""
+        if self._compute_dtype is not None:
+            shard = shard.to(self._compute_dtype)
+        full = mpi_ops.allgather(shard.contiguous(), name=f"{unit.name}.{phase}",
+                                 process_set=self._process_set)
+        unit.alive.add(full)
+        return full
+
+    def _make_pre_hook(self, unit):
+        def gather_before_forward(module, args):
+            if self._full_parameters:
+                return
+            full = _GatherRun.apply(unit.shard, unit, self)
+            unit.gathered = full
+            self._gathered_by_storage[full.untyped_storage().data_ptr()] = unit
+            unit.set_attributes(unit.views(full))
+        return gather_before_forward
+
+    def _make_post_hook(self, unit):
+        def drop_after_forward(module, args, output):
+            if self._full_parameters or unit.gathered is None:
+                return
+            self._gathered_by_storage.pop(unit.gathered.untyped_storage().data_ptr(), None)
+            unit.gathered = None
+            unit.set_attributes([None] * len(unit.names))
+        return drop_after_forward
+
+    def _pack(self, t):
+        unit = self._gathered_by_storage.get(t.untyped_storage().data_ptr()) \
+            if t.numel() else None
+        return t if unit is None else _SavedView(unit, t)
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _SavedView):
+            return saved
+        unit = saved.unit
+        if unit.regathered is None:
+            with torch.no_grad():
+                unit.regathered = self._gather(unit, unit.shard.detach(), "regather")
+        return unit.regathered.as_strided(saved.size, saved.stride, saved.offset)
+
+    def forward(self, *args, **kwargs):
+        if self._compute_dtype is not None:
+            args, kwargs = _cast_floating((args, kwargs), self._compute_dtype)
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            return self.module(*args, **kwargs)
+
+    # ---- full parameters, on request ----
+
+    @contextlib.contextmanager
+    def gathered_parameters(self, writeback=True):
+        """Every parameter whole, as a torch.nn.Parameter of its module, inside the block
+        (for module.state_dict(), evaluation, inspection; every rank of the set must enter
+        it). writeback: changes made to them inside are kept (each rank keeps its slice).
+        A forward inside runs on the whole parameters and does not reach the shards'
+        gradients."""
+        if self._full_parameters:
+            raise UsageError("ShardedModule.gathered_parameters: already inside one")
+        with torch.no_grad():
+            fulls = mpi_ops.grouped_allgather([u.shard.detach() for u in self._units],
+                                              name=f"{self._prefix}.full",
+                                              process_set=self._process_set)
+        for unit, full in zip(self._units, fulls):
+            for name, view in zip(unit.names, unit.views(full)):
+                delattr(unit.module, name)
+                unit.module.register_parameter(
+                    name, torch.nn.Parameter(view, requires_grad=unit.shard.requires_grad))
+        self._full_parameters = True
+        try:
+            yield self.module
+        finally:
+            self._full_parameters = False
+            for unit, full in zip(self._units, fulls):
+                if writeback:
+                    with torch.no_grad():
+                        unit.shard.copy_(full[unit.lo: unit.hi])
+                for name in unit.names:
+                    delattr(unit.module, name)
+                    setattr(unit.module, name, None)
+
+    # ---- accounting and layout ----
+
+    def memory(self):
+        """Bytes this rank holds, by kind: "parameters" (its slices and every gathered run
+        still alive: held by a forward that runs, by autograd, or by the caller),
+        "gradients" (the slices' gradients), "optimizer_state" (0: the optimizer's is
+        counted by ShardedOptimizer.memory())."""
+        gathered = [t for u in self._units for t in u.alive]
+        return {"parameters": _held([u.shard for u in self._units] + gathered),
+                "gradients": _held([u.shard.grad for u in self._units]),
+                "optimizer_state": 0}
+
+    def layout(self):
+        """Where each rank's slices lie: one entry per unit — its module path, parameter
+        names and shapes, dtype, and [lo, hi) of every rank of the set."""
+        return [{"path": u.path, "names": list(u.names), "shapes": [list(s) for s in u.shapes],
+                 "dtype": str(u.dtype), "starts": list(u.starts)} for u in self._units]
+
+    def units(self):
+        """(module path, this rank's slice Parameter, [lo, hi)) per unit."""
+        return [(u.path, u.shard, (u.lo, u.hi)) for u in self._units]
+
+
+def _check_parameters(path, own, seen):
+    where = path or "the top module"
+    for name, p in own:
+        if not p.is_floating_point() or p.layout != torch.strided:
+            raise UsageError(f"ShardedModule: {where}.{name} is a {p.layout} {p.dtype} "
+                             "tensor; only dense floating-point parameters can be sharded")
+        if p in seen:
+            raise UsageError(f"ShardedModule: {where}.{name} is the same parameter as "
+                             f"{seen[p]}; a parameter shared by two modules cannot be sharded")
+        seen[p] = f"{where}.{name}"
+
+
+def _first_rank(process_set):
+    """The job rank of the set's first member."""
+    ranks = getattr(process_set, "ranks", None)
+    if ranks:
+        return min(ranks)
+    world = mpi_ops._comm(process_set).world_rank()
+    return min(allgather_object(world, process_set=process_set))
+
+
+def _cast_floating(value, dtype):
+    if torch.is_tensor(value):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast_floating(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_floating(v, dtype) for k, v in value.items()}
+    return value
