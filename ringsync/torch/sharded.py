@@ -361,6 +361,66 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                       params=[order[m] for m in inner["params"]])
                                  for g, inner in zip(groups, self._inner.param_groups)]}
 
+    # ---- checkpoints (ringsync.checkpoint) ----
+
+    def save_parts(self, parts, rank):
+        """This rank's slices of the master copies and of the per-element state into a
+        checkpoint, per-tensor state whole; rank 0 adds the layout and hyperparameters."""
+        from .sharded_module import save_slice_state
+        if self._stage == 3:
+            return save_slice_state(self._optimizer, parts, rank)
+        self._pass_hyperparameters()
+        kinds = {}
+        for s in self._shards:
+            key, total = _shard_key(s), s.stop - s.start
+            parts.add_piece(f"{key}.master", s.master, s.a - s.start, total)
+            for k, v in self._inner.state.get(s.master, {}).items():
+                elementwise = torch.is_tensor(v) and v.shape == s.master.shape
+                if elementwise:
+                    parts.add_piece(f"{key}.{k}", v, s.a - s.start, total)
+                else:
+                    parts.whole[f"{key}.{k}"] = v.detach().cpu().clone() \
+                        if torch.is_tensor(v) else v
+                kinds.setdefault(key, {})[k] = "piece" if elementwise else "whole"
+        parts.whole["optimizer.kinds"] = kinds
+        if rank == 0:
+            parts.whole["optimizer.layout"] = self._shard_layout()
+            parts.whole["optimizer.groups"] = [_hyperparameters(g)
+                                               for g in self._optimizer.param_groups]
+
+    def _shard_layout(self):
+        return [[_shard_key(s), s.stop - s.start] for s in self._shards]
+
+    def load_parts(self, reader):
+        """This rank's slices from a checkpoint saved on any number of ranks (the model's
+        parameters are loaded separately, by ringsync.checkpoint.load)."""
+        from ringsync.checkpoint import CheckpointError
+
+        from .sharded_module import load_slice_state
+        if self._stage == 3:
+            return load_slice_state(self._optimizer, reader)
+        saved = reader.whole("optimizer.layout")
+        if saved != self._shard_layout():
+            raise CheckpointError(f"ringsync.checkpoint: the optimizer's layout differs from "
+                                  f"the saved one (saved {saved}, here {self._shard_layout()})")
+        kinds, state = reader.whole("optimizer.kinds"), {}
+        for si, s in enumerate(self._shards):
+            key, total, a, b = _shard_key(s), s.stop - s.start, s.a - s.start, s.b - s.start
+            with torch.no_grad():
+                s.master.copy_(reader.range(f"{key}.master", a, b, total))
+            entry = {k: reader.range(f"{key}.{k}", a, b, total) if kind == "piece"
+                     else reader.whole(f"{key}.{k}") for k, kind in kinds.get(key, {}).items()}
+            if entry:
+                state[si] = entry
+        for mine, hyper in zip(self._optimizer.param_groups, reader.whole("optimizer.groups")):
+            mine.update(hyper)
+        order = {s.master: i for i, s in enumerate(self._shards)}
+        self._inner.load_state_dict({
+            "state": state,
+            "param_groups": [dict(_hyperparameters(g), params=[order[m] for m in inner["params"]])
+                             for g, inner in zip(self._optimizer.param_groups,
+                                                 self._inner.param_groups)]})
+
     def consolidate_state_dict(self, to=0):
         """The full optimizer state, as the unsharded optimizer's state_dict() would give
         it (every parameter's state, indexed in param_groups order), on rank `to` (a rank
@@ -410,6 +470,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                params=list(range(start, start + len(g["params"])))))
             start += len(g["params"])
         return {"state": state, "param_groups": groups}
+
+
+def _shard_key(shard):
+    return f"optimizer.g{shard.group}.{str(shard.run.dtype).replace('torch.', '')}"
 
 
 def _flat(tensors, a, b):

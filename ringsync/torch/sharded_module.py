@@ -52,6 +52,7 @@ class _Unit:
 
     def __init__(self, path, module, names, params, rank, size, name):
         self.path, self.module, self.names, self.name = path, module, names, name
+        self.key = f"{path}:{','.join(names)}"  # (names the unit in checkpoints)
         self.shapes = [p.shape for p in params]
         self.offsets = list(itertools.accumulate((p.numel() for p in params), initial=0))
         self.numel = self.offsets[-1]
@@ -269,6 +270,136 @@ class ShardedModule(torch.nn.Module):
     def units(self):
         """(module path, this rank's slice Parameter, [lo, hi)) per unit."""
         return [(u.path, u.shard, (u.lo, u.hi)) for u in self._units]
+
+    # ---- checkpoints (ringsync.checkpoint) ----
+
+    def save_parts(self, parts, rank):
+        """This rank's slices into a checkpoint; rank 0 adds the layout and the buffers."""
+        for u in self._units:
+            parts.add_piece(f"model.{u.key}", u.shard, u.lo, u.numel)
+        if rank == 0:
+            parts.whole["model.layout"] = [_structure(e) for e in self.layout()]
+            parts.whole["model.buffers"] = {n: b.detach().cpu().clone()
+                                            for n, b in self.module.named_buffers()}
+
+    def load_parts(self, reader):
+        """This rank's slices (and the buffers) from a ShardedModule checkpoint saved on
+        any number of ranks."""
+        from ringsync.checkpoint import CheckpointError
+        saved, mine = reader.whole("model.layout"), [_structure(e) for e in self.layout()]
+        if saved != mine:
+            diff = next((a, b) for a, b in itertools.zip_longest(saved, mine) if a != b)
+            raise CheckpointError(f"ringsync.checkpoint: the checkpoint's model differs from "
+                                  f"this one: saved {diff[0]}, here {diff[1]}")
+        with torch.no_grad():
+            for u in self._units:
+                u.shard.copy_(reader.range(f"model.{u.key}", u.lo, u.hi, u.numel))
+        _load_buffers(self.module, reader.whole("model.buffers"))
+
+    def load_full_state(self, state):
+        """This rank's slices from a whole module's state_dict (a plain checkpoint)."""
+        with torch.no_grad():
+            for u in self._units:
+                names = [f"{u.path}.{n}" if u.path else n for n in u.names]
+                missing = [n for n in names if n not in state]
+                if missing:
+                    from ringsync.checkpoint import CheckpointError
+                    raise CheckpointError(f"ringsync.checkpoint: the saved model has no "
+                                          f"{missing[0]!r}")
+                flat = torch.cat([state[n].reshape(-1) for n in names])
+                u.shard.copy_(flat[u.lo: u.hi])
+        _load_buffers(self.module, {n: state[n] for n, _ in self.module.named_buffers()
+                                    if n in state})
+
+
+def _structure(entry):
+    """A layout entry without the split over ranks (which may change between runs)."""
+    return {k: v for k, v in entry.items() if k != "starts"}
+
+
+def _load_buffers(module, saved):
+    with torch.no_grad():
+        for name, buffer in module.named_buffers():
+            if name not in saved:
+                from ringsync.checkpoint import CheckpointError
+                raise CheckpointError(f"ringsync.checkpoint: the saved model has no buffer "
+                                      f"{name!r}")
+            buffer.copy_(saved[name])
+
+
+def load_units_into_plain(model, reader):
+    """A ShardedModule checkpoint into the plain module it wrapped: every run whole."""
+    with torch.no_grad():
+        for entry in reader.whole("model.layout"):
+            sub = model.get_submodule(entry["path"])
+            total = sum(_numel(shape) for shape in entry["shapes"])
+            key = f"model.{entry['path']}:{','.join(entry['names'])}"
+            flat, at = reader.range(key, 0, total, total), 0
+            for name, shape in zip(entry["names"], entry["shapes"]):
+                getattr(sub, name).copy_(flat[at: at + _numel(shape)].view(shape))
+                at += _numel(shape)
+    _load_buffers(model, reader.whole("model.buffers"))
+
+
+def _numel(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def save_slice_state(optimizer, parts, rank):
+    """The state of an optimizer over ShardedModule slices: per-element entries as slices,
+    per-tensor ones (Adam's step) whole; rank 0 adds the groups' hyperparameters."""
+    kinds = {}
+    for p in _slices(optimizer):
+        u = p._ringsync_unit
+        for k, v in optimizer.state.get(p, {}).items():
+            key = f"optimizer.{u.key}.{k}"
+            if torch.is_tensor(v) and v.shape == p.shape:
+                parts.add_piece(key, v, u.lo, u.numel)
+                kinds.setdefault(u.key, {})[k] = "piece"
+            else:
+                parts.whole[key] = v.detach().cpu().clone() if torch.is_tensor(v) else v
+                kinds.setdefault(u.key, {})[k] = "whole"
+    parts.whole["optimizer.kinds"] = kinds
+    if rank == 0:
+        parts.whole["optimizer.groups"] = _groups(optimizer)
+
+
+def load_slice_state(optimizer, reader):
+    from ringsync.checkpoint import CheckpointError
+    saved, mine = reader.whole("optimizer.groups"), _groups(optimizer)
+    if [g["units"] for g in saved] != [g["units"] for g in mine]:
+        raise CheckpointError("ringsync.checkpoint: the optimizer's param groups differ from "
+                              f"the saved ones: saved {[g['units'] for g in saved]}, here "
+                              f"{[g['units'] for g in mine]}")
+    kinds = reader.whole("optimizer.kinds")
+    state = {}
+    for i, p in enumerate(_slices(optimizer)):
+        u = p._ringsync_unit
+        entry = {}
+        for k, kind in kinds.get(u.key, {}).items():
+            key = f"optimizer.{u.key}.{k}"
+            entry[k] = reader.range(key, u.lo, u.hi, u.numel) if kind == "piece" else \
+                reader.whole(key)
+        if entry:
+            state[i] = entry
+    at, groups = 0, []
+    for g in saved:
+        groups.append(dict(g["hyper"], params=list(range(at, at + len(g["units"])))))
+        at += len(g["units"])
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _slices(optimizer):
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def _groups(optimizer):
+    return [{"hyper": {k: v for k, v in g.items() if k != "params"},
+             "units": [p._ringsync_unit.key for p in g["params"]]}
+            for g in optimizer.param_groups]
 
 
 def _check_parameters(path, own, seen):
