@@ -480,6 +480,7 @@ def resolve_function(target: str):
 def run_target(target: str, args: list[str]) -> None:
     if is_script(target):
         sys.argv = [target] + args
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))  # as `python script`
         runpy.run_path(target, run_name="__main__")
     else:
         resolve_function(target)(*args)
