@@ -52,7 +52,7 @@ def full_model(seed):
 
 
 def my_stage(model, stage, stages):
-    per = 2 * LAYERS // stages  # modules per stage (Linear and Tanh count one each)
+    per = 2 * LAYERS // stages  # modules per stage (a Linear and a Tanh per layer)
     return copy.deepcopy(model[stage * per:(stage + 1) * per])
 
 
@@ -71,11 +71,11 @@ class Stage:
     (backward is torch.autograd.backward(output, received_gradient)). Messages are named
     after the microbatch, so a mix-up would fail loudly instead of training silently."""
 
-    def __init__(self, layers, stage, stages, micro, n_micro):
+    def __init__(self, layers, stage, stages, micro):
         self.layers, self.stage, self.stages = layers, stage, stages
         self.first, self.last = stage == 0, stage == stages - 1
         self.shape = (micro, WIDTH)
-        self.n_micro = n_micro
+        self.inputs = self.targets = None  # this step's microbatches (set per step)
         self.saved = {}  # microbatch -> (its input, its output or loss): kept for backward
 
     def _buffer(self):
@@ -104,12 +104,12 @@ class Stage:
             hvd.synchronize(h)
         return received.get("act"), received.get("grad")
 
-    def forward(self, i, x, targets):
-        """Run microbatch i (x: its input, received or, on stage 0, the data)."""
-        x = x.requires_grad_(not self.first)  # the gradient to send back lands in x.grad
+    def forward(self, i, x):
+        """Run microbatch i (x: its input as received; stage 0 reads the data)."""
+        x = self.inputs[i] if self.first else x.requires_grad_()  # grad to send: x.grad
         out = self.layers(x)
         if self.last:  # the loss of the whole batch is the mean of the microbatches' losses
-            out = torch.nn.functional.mse_loss(out, targets[i]) / self.n_micro
+            out = torch.nn.functional.mse_loss(out, self.targets[i]) / len(self.targets)
         self.saved[i] = (x, out)
         return out
 
@@ -121,13 +121,13 @@ class Stage:
         return x.grad
 
 
-def gpipe(stage, inputs, targets):
+def gpipe(stage, n):
     """Every forward, then every backward. Only one message moves per call, towards a
     neighbour that is waiting for it: no stage ever waits on two at once."""
-    n, outputs = stage.n_micro, {}
+    outputs = {}
     for i in range(n):
         x, _ = stage.exchange(recv_act=i)
-        outputs[i] = stage.forward(i, inputs[i] if stage.first else x, targets)
+        outputs[i] = stage.forward(i, x)
         stage.exchange(send_act=(i, outputs[i]))
     for i in range(n):
         _, g = stage.exchange(recv_grad=i)
@@ -135,21 +135,20 @@ def gpipe(stage, inputs, targets):
     return outputs
 
 
-def one_f_one_b(stage, inputs, targets):
+def one_f_one_b(stage, n):
     """Warm-up forwards (more on early stages, which the first gradients reach last),
     then one forward and one backward at a time, then the remaining backwards. In the
-    steady state a stage sends an output and receives a gradient from the next stage
-    at once (and a gradient / the next input from the previous one)."""
-    n, outputs = stage.n_micro, {}
-    warmup = min(stage.stages - stage.stage - 1, n)
-    inp = lambda i, x: inputs[i] if stage.first else x  # noqa: E731
+    steady state a stage sends an output to the next stage while it receives a gradient
+    from it, and sends a gradient to the previous stage while it receives the next
+    input from it (Megatron's send_forward_recv_backward / send_backward_recv_forward)."""
+    outputs, warmup = {}, min(stage.stages - stage.stage - 1, n)
     for i in range(warmup):
         x, _ = stage.exchange(recv_act=i)
-        outputs[i] = stage.forward(i, inp(i, x), targets)
+        outputs[i] = stage.forward(i, x)
         stage.exchange(send_act=(i, outputs[i]))
     x, _ = stage.exchange(recv_act=warmup) if warmup < n else (None, None)
     for k, i in enumerate(range(warmup, n)):  # i: forward microbatch, k: backward one
-        outputs[i] = stage.forward(i, inp(i, x), targets)
+        outputs[i] = stage.forward(i, x)
         _, g = stage.exchange(send_act=(i, outputs[i]), recv_grad=k)
         grad_in = stage.backward(k, g)
         more = i + 1 < n
@@ -162,14 +161,15 @@ def one_f_one_b(stage, inputs, targets):
 
 def train_pipeline(args, layers, stage_no, stages):
     micro = args.batch // args.microbatches
-    stage = Stage(layers, stage_no, stages, micro, args.microbatches)
+    stage = Stage(layers, stage_no, stages, micro)
     schedule = gpipe if args.schedule == "gpipe" else one_f_one_b
     opt = torch.optim.SGD(layers.parameters(), lr=args.lr)
     losses = []
     for step in range(args.steps):
         x, y = batch(args.seed, step, args.batch)
         opt.zero_grad()
-        outputs = schedule(stage, x.split(micro), y.split(micro))
+        stage.inputs, stage.targets = x.split(micro), y.split(micro)
+        outputs = schedule(stage, args.microbatches)
         opt.step()  # every stage's gradients are complete: the last backward has run
         if stage.last:
             losses.append(sum(out.item() for out in outputs.values()))
@@ -177,28 +177,20 @@ def train_pipeline(args, layers, stage_no, stages):
     return losses
 
 
-def train_reference(args, model):
-    """The same steps on the unsplit model, full batch, in this process."""
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
-    losses = []
+def differences(args, stage_no, stages, losses, layers):
+    """What differs from the unsplit model trained on the same batches, in this process
+    (empty: nothing)."""
+    reference = full_model(args.seed)
+    opt = torch.optim.SGD(reference.parameters(), lr=args.lr)
+    found = []
     for step in range(args.steps):
         x, y = batch(args.seed, step, args.batch)
         opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss = torch.nn.functional.mse_loss(reference(x), y)
         loss.backward()
         opt.step()
-        losses.append(loss.item())
-    return losses
-
-
-def differences(args, stage_no, stages, losses, layers):
-    """What differs from the unsplit model, in words (empty: nothing)."""
-    reference = full_model(args.seed)
-    ref_losses = train_reference(args, reference)
-    found = []
-    for step, loss in enumerate(losses):  # (only the last stage has the losses)
-        if abs(loss - ref_losses[step]) > RTOL * abs(ref_losses[step]):
-            found.append(f"step {step} loss: pipeline {loss!r}, unsplit {ref_losses[step]!r}")
+        if losses and abs(losses[step] - loss.item()) > RTOL * abs(loss.item()):
+            found.append(f"step {step} loss: pipeline {losses[step]!r}, unsplit {loss.item()!r}")
     mine = my_stage(reference, stage_no, stages)
     for (name, p), ref in zip(layers.named_parameters(), mine.parameters()):
         if not torch.allclose(p, ref, rtol=RTOL, atol=0):
@@ -213,7 +205,7 @@ def main():
     torch.set_num_threads(1)  # ranks share the host's cores
     hvd.init()
     stage_no, stages = hvd.rank(), hvd.size()
-    if (2 * LAYERS) % (2 * stages) or args.batch % args.microbatches:
+    if LAYERS % stages or args.batch % args.microbatches:
         sys.exit(f"need a rank count that divides {LAYERS} layers and a batch that "
                  f"divides into {args.microbatches} microbatches")
     layers = my_stage(full_model(args.seed), stage_no, stages)
