@@ -227,7 +227,8 @@ def send(tensor, dst, name=None, process_set=PS):
     """Send tensor to rank dst; returns once dst has received it. Differentiable: where
     tensor requires grad, returns a token (an empty tensor in the graph); backward through
     it receives the gradient dst's recv sends back and gives it to tensor. Include the
-    token in what you call backward on (torch.autograd.backward([loss, token])). Else None."""
+    token in what you call backward on, with a zero gradient (it is not a scalar):
+    torch.autograd.backward([loss, token], [None, torch.zeros(0)]). Else None."""
     if torch.is_grad_enabled() and tensor.requires_grad:
         return _Send.apply(tensor, dst, name, process_set)
     synchronize(send_async(tensor, dst, name, process_set))
