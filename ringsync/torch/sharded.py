@@ -207,9 +207,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._reduced = True
             return
         runs = list(self._runs.values())
-        flats = [torch.cat([(p.grad.to_dense() if p.grad is not None and p.grad.is_sparse
-                             else p.grad if p.grad is not None else torch.zeros_like(p))
-                            .reshape(-1) for p in run.params]) for run in runs]
+        flats = [_flat_gradients(run) for run in runs]
         if self._stage == 1:
             mpi_ops.grouped_allreduce_(flats, op=Average, name=f"{self._prefix}.grads",
                                        process_set=self._process_set)
@@ -218,9 +216,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     p.grad = flat[off: off + p.numel()].view_as(p)
             mine = [flat[run.lo: run.hi] for run, flat in zip(runs, flats)]
         else:
-            for run in runs:
-                for p in run.params:
-                    p.grad = None
             mine = mpi_ops.grouped_reducescatter(flats, name=f"{self._prefix}.grads",
                                                  op=Average, process_set=self._process_set)
             del flats
@@ -470,6 +465,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                params=list(range(start, start + len(g["params"])))))
             start += len(g["params"])
         return {"state": state, "param_groups": groups}
+
+
+def _flat_gradients(run):
+    """One run's gradients laid end to end (zeros where a parameter has none), each p.grad
+    dropped once copied: the gradients are never held twice (the new buffer's pages cost
+    memory only as they are written)."""
+    flat = torch.empty(run.numel, dtype=run.dtype, device=run.params[0].device)
+    for p, off in zip(run.params, run.offsets):
+        piece = flat[off: off + p.numel()]
+        if p.grad is None:
+            piece.zero_()
+        else:
+            piece.copy_((p.grad.to_dense() if p.grad.is_sparse else p.grad).reshape(-1))
+        p.grad = None
+    return flat
 
 
 def _shard_key(shard):
