@@ -1,11 +1,26 @@
 """What the framework adapters share, written once: the rules of the differentiable
 collectives, and gradient compression by casting (each framework supplies only how to
 read and change a tensor's dtype)."""
+import itertools
 import warnings
 from typing import Optional
 
 from .errors import UsageError
 from .ops import ReduceOp
+
+
+class InstanceNumbers:
+    """Numbers for the objects of one kind (optimizers, modules) that name collectives, in
+    construction order, counted per process set: an object that only a set's members build
+    does not shift the numbers the other ranks give to their next ones."""
+
+    def __init__(self):
+        self._counters = {}
+
+    def next(self, process_set) -> int:
+        ranks = getattr(process_set, "ranks", None)
+        key = tuple(ranks) if ranks is not None else id(process_set)
+        return next(self._counters.setdefault(key, itertools.count()))
 
 
 def check_differentiable(op, what: str) -> None:

@@ -57,9 +57,11 @@ class Parts:
         self.pieces, self.whole = {}, {}
 
     def add_piece(self, key, tensor, a, total):
+        """Elements [a, a + tensor.numel()) of the flat tensor `key` of `total` elements (a
+        rank may add several pieces of one key)."""
         flat = tensor.detach().reshape(-1).cpu().clone()
-        self.pieces[key] = {"a": int(a), "b": int(a) + flat.numel(), "total": int(total),
-                            "tensor": flat}
+        self.pieces.setdefault(key, []).append(
+            {"a": int(a), "b": int(a) + flat.numel(), "total": int(total), "tensor": flat})
 
     def as_dict(self):
         return {"format": FORMAT, "pieces": self.pieces, "whole": self.whole}
@@ -91,11 +93,11 @@ class Reader:
                 return part["whole"][key]
         raise CheckpointError(f"ringsync.checkpoint: the checkpoint has no '{key}'")
 
-    def has_pieces(self, key):
-        return any(key in p["pieces"] for p in self.parts)
+    def _pieces(self, key):
+        return [piece for part in self.parts for piece in part["pieces"].get(key, ())]
 
     def total(self, key):
-        totals = {p["pieces"][key]["total"] for p in self.parts if key in p["pieces"]}
+        totals = {piece["total"] for piece in self._pieces(key)}
         if len(totals) != 1:
             raise CheckpointError(f"ringsync.checkpoint: '{key}' has no single size in the "
                                   f"checkpoint (sizes found: {sorted(totals)})")
@@ -110,10 +112,7 @@ class Reader:
             raise CheckpointError(f"ringsync.checkpoint: '{key}' has {found} elements in the "
                                   f"checkpoint, {total} here")
         out, covered = None, []
-        for part in self.parts:
-            piece = part["pieces"].get(key)
-            if piece is None:
-                continue
+        for piece in self._pieces(key):
             t, pa, pb = piece["tensor"], piece["a"], piece["b"]
             if not (0 <= pa <= pb <= total and t.numel() == pb - pa):
                 raise CheckpointError(f"ringsync.checkpoint: '{key}' has a piece [{pa}, {pb}) "

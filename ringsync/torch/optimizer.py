@@ -8,14 +8,13 @@ wrapped optimizer. The class derives from torch.optim.Optimizer only so that LR 
 and isinstance checks accept it; all state lives in the wrapped optimizer.
 """
 import contextlib
-import itertools
 import warnings
 
 import torch
 
 from ringsync import Average, ReduceOp
 from ringsync.process_sets import global_process_set
-from ringsync._adapters import groups_from_num_groups, near_equal_runs
+from ringsync._adapters import InstanceNumbers, groups_from_num_groups, near_equal_runs
 from ringsync._core import prepare_allreduce_
 from ringsync.errors import UsageError
 
@@ -23,7 +22,7 @@ from . import mpi_ops
 from ._tensors import to_numpy
 from .compression import Compression
 
-_instances = itertools.count()  # names of unnamed optimizers, in construction order
+_instances = InstanceNumbers()  # names of unnamed optimizers
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -53,7 +52,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._process_set = process_set
         self._predivide = gradient_predivide_factor
         self._sparse_as_dense = sparse_as_dense
-        self._names = self._parameter_names(named_parameters, next(_instances))
+        self._names = self._parameter_names(named_parameters, _instances.next(process_set))
         self._group_of = _gradient_groups(list(self._names), num_groups, groups)
         self._pending = {}  # parameter -> (handle, wire tensor, compression context)
         self._ready_in_group = {}  # group -> its parameters whose gradients are ready

@@ -1,26 +1,31 @@
-"""ShardedOptimizer: ZeRO stages 1 and 2 for PyTorch, built from the core's allreduce,
-reducescatter and allgather over a process set.
+"""ShardedOptimizer: ZeRO stages 1, 2 (and 3, with ShardedModule) for PyTorch, built from
+the core's allreduce, reducescatter and allgather over a process set.
 
 The trainable parameters are laid end to end, one flat run per dtype (in the optimizer's
-parameter order), and each rank of the set owns one contiguous slice of each run, split as
-even_split splits (the first ranks one element more): balanced by bytes. Each rank keeps a
-master copy of its slice only (fp32 for fp16/bf16 parameters), and a new optimizer of the
-wrapped one's class, with the same hyperparameters per param group, is built over those
-slices — so torch's own Adam/SGD/... arithmetic runs unchanged, and its state (momentum,
-exp_avg, ...) exists for this rank's slice only.
+parameter order), cut into buckets at parameter boundaries (bucket_cap_mb, as DDP's), and
+each rank of the set owns one contiguous piece of every bucket, split as even_split splits
+(the first ranks one element more): balanced by bytes. Each rank keeps a master copy of its
+pieces only (fp32 for fp16/bf16 parameters), and a new optimizer of the wrapped one's class,
+with the same hyperparameters per param group, is built over them — so torch's own
+Adam/SGD/... arithmetic runs unchanged, and its state (momentum, exp_avg, ...) exists for
+this rank's pieces only.
 
-step(): gradients are averaged over the set (as DistributedOptimizer's op=Average), every
-rank steps its slice, and the updated slices are allgathered into the full parameters.
-- stage 1: gradients are allreduced (p.grad then holds the average, as with
-  DistributedOptimizer); this rank's slice of it feeds its optimizer.
-- stage 2: gradients are reduce-scattered: each rank receives its slice of the average only
-  and every full p.grad is dropped (set to None).
+Gradients are averaged over the set (as DistributedOptimizer's op=Average) bucket by
+bucket, starting during backward: a gradient hook starts a bucket's reduction as soon as
+its last gradient is ready (after backward_passes_per_step passes).
+- stage 1: each bucket is allreduced (p.grad then holds the average, as with
+  DistributedOptimizer); this rank's piece of it feeds its optimizer.
+- stage 2: each bucket is reduce-scattered: each rank receives its piece of the average,
+  and the bucket's p.grad are dropped (set to None) as it starts, so a rank holds the
+  gradients of the buckets backward has not finished yet, plus its pieces.
+step() waits for the reductions (starting those backward did not: a parameter with no
+gradient on this rank counts as zeros), steps this rank's pieces, and allgathers every
+bucket back into the full parameters.
 - stage 3: the parameters are a ShardedModule's slices (sharded_module.py), whose backward
   pass reduce-scattered their gradients already: step() steps them with the wrapped
   optimizer itself, and the next forward gathers them.
-At stages 1 and 2 the reduction happens in step() (or an explicit synchronize()), after
-backward: it is not overlapped with backward yet. offload=True keeps the master slices, their gradients and the
-optimizer state in a separate host (CPU) buffer, pinned when CUDA is there, and steps there.
+offload=True keeps the master pieces, their gradients and the optimizer state in a
+separate host (CPU) buffer, pinned when CUDA is there, and steps there.
 """
 import contextlib
 import copy
@@ -29,6 +34,7 @@ import itertools
 import torch
 
 from ringsync import Average
+from ringsync._adapters import InstanceNumbers
 from ringsync._core import even_split
 from ringsync.errors import UsageError
 from ringsync.objects import allgather_object
@@ -36,30 +42,59 @@ from ringsync.process_sets import global_process_set
 
 from . import mpi_ops
 
-_instances = itertools.count()  # collective names of each optimizer, in construction order
+_instances = InstanceNumbers()  # collective names of each optimizer
 _WIDENED = (torch.float16, torch.bfloat16)  # their master copies are float32
 
 
 class _Run:
-    """The trainable parameters of one dtype laid end to end; this rank owns [lo, hi)."""
+    """The trainable parameters of one dtype laid end to end, cut into buckets at parameter
+    boundaries (each at most `cap` elements, or one parameter): a bucket is reduced as soon
+    as backward has produced all of its gradients. Each bucket is split over the ranks as
+    even_split splits (the first ranks one element more), and a rank owns its piece of
+    every bucket: a reduce-scatter of the bucket hands each rank exactly its piece."""
 
-    def __init__(self, dtype, params, rank, size):
+    def __init__(self, dtype, params, size, cap):
         self.dtype, self.params = dtype, params
         self.offsets = list(itertools.accumulate((p.numel() for p in params), initial=0))
         self.numel = self.offsets[-1]
-        self.counts = even_split(self.numel, size)
-        self.starts = list(itertools.accumulate(self.counts, initial=0))
-        self.lo, self.hi = self.starts[rank], self.starts[rank + 1]
+        self.buckets = _cut(self.offsets, cap)  # [(first parameter, end parameter)]
+        self.spans = [(self.offsets[i], self.offsets[j]) for i, j in self.buckets]
+        self.splits = [list(itertools.accumulate(even_split(b - a, size), initial=a))
+                       for a, b in self.spans]
+
+    def pieces(self, rank):
+        """The run elements [a, b) that rank owns, one per bucket, in run order."""
+        return [(cuts[rank], cuts[rank + 1]) for cuts in self.splits]
+
+    def owned_before(self, rank, at):
+        return sum(max(0, min(b, at) - a) for a, b in self.pieces(rank))
+
+    def bucket_params(self, k):
+        i, j = self.buckets[k]
+        return list(zip(self.params[i:j], self.offsets[i:j]))
+
+
+def _cut(offsets, cap):
+    """Bucket boundaries over parameters whose elements start at offsets[:-1]."""
+    buckets, first = [], 0
+    for i in range(1, len(offsets)):
+        if offsets[i] - offsets[first] > cap and i - 1 > first:
+            buckets.append((first, i - 1))
+            first = i - 1
+    return buckets + [(first, len(offsets) - 1)] if len(offsets) > 1 else buckets
 
 
 
 class _Shard:
-    """This rank's part of one param group's parameters of one dtype: elements [a, b) of
-    run `run`, where the group occupies [start, stop)."""
+    """This rank's part of one param group's parameters of one dtype: where the group
+    occupies [start, stop) of run `run`, the elements `ranges` of it (the rank's pieces
+    of the buckets, clipped), which start at element `at` of the rank's pieces."""
 
     def __init__(self, group, run, start, stop, rank):
         self.group, self.run, self.start, self.stop = group, run, start, stop
-        self.a, self.b = self.range_of(rank)
+        self.ranges = self.ranges_of(rank)
+        self.numel = sum(b - a for a, b in self.ranges)
+        self.at = run.owned_before(rank, start)
         self.master = None  # the torch.nn.Parameter the inner optimizer steps
 
     def params(self):
@@ -67,15 +102,31 @@ class _Shard:
         return [p for p, off in zip(self.run.params, self.run.offsets)
                 if self.start <= off < self.stop]
 
-    def range_of(self, rank):
-        lo, hi = self.run.starts[rank], self.run.starts[rank + 1]
-        a = min(max(lo, self.start), self.stop)
-        return a, max(a, min(hi, self.stop))
+    def ranges_of(self, rank):
+        clipped = [(max(a, self.start), min(b, self.stop)) for a, b in self.run.pieces(rank)]
+        return [(a, b) for a, b in clipped if a < b]
+
+    def by_range(self, values, rank=None):
+        """(a, b, the part of `values` holding elements [a, b)) for each of rank's ranges
+        (this rank's by default), where `values` holds the rank's elements end to end and
+        a, b count from the group's start."""
+        at = 0
+        for a, b in self.ranges if rank is None else self.ranges_of(rank):
+            yield a - self.start, b - self.start, values[at: at + b - a]
+            at += b - a
+
+    def read(self, reader, key, like):
+        """This rank's elements of checkpoint entry `key` (of the whole group's size)."""
+        total = self.stop - self.start
+        parts = [reader.range(key, a - self.start, b - self.start, total)
+                 for a, b in self.ranges]
+        return torch.cat(parts) if parts else like.new_empty(0)
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer, named_parameters=None, stage=1,
-                 process_set=global_process_set, offload=False):
+                 process_set=global_process_set, offload=False, bucket_cap_mb=25,
+                 backward_passes_per_step=1):
         """optimizer: a torch.optim.Optimizer over the full model, not stepped yet (or its
         state is imported as with load_state_dict). It is kept for its param_groups
         (which LR schedulers change; step() passes every hyperparameter on) and rebuilt
@@ -83,6 +134,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         named_parameters: names for messages. stage: 1 (optimizer state sharded), 2
         (gradients too) or 3 (the optimizer is over ShardedModule.parameters()). process_set: the ranks that share the work (a ProcessSet or
         Communicator). offload: master slices and optimizer state in host memory.
+        bucket_cap_mb: the most megabytes (2**20 bytes) of gradients reduced together (as
+        DistributedDataParallel's): a bucket's reduction starts during backward, as soon
+        as its last gradient is ready. backward_passes_per_step: gradients accumulate
+        locally over this many backward passes before they are reduced (as Horovod's).
         Parameters with requires_grad=False are not sharded and never updated."""
         # No super().__init__(), as DistributedOptimizer: the param_groups are the wrapped
         # optimizer's own (see the properties below).
@@ -93,17 +148,28 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise UsageError(f"ShardedOptimizer: stage must be 1, 2 or 3, got {stage!r}")
         if not isinstance(offload, bool):
             raise UsageError(f"ShardedOptimizer: offload must be True or False, got {offload!r}")
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
+                or not bucket_cap_mb > 0:
+            raise UsageError(f"ShardedOptimizer: bucket_cap_mb must be a positive number, got "
+                             f"{bucket_cap_mb!r}")
+        if isinstance(backward_passes_per_step, bool) or \
+                not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise UsageError(f"ShardedOptimizer: backward_passes_per_step must be an int of at "
+                             f"least 1, got {backward_passes_per_step!r}")
+        self._passes_per_step = backward_passes_per_step
         self._optimizer, self._stage, self._offload = optimizer, stage, offload
         self._process_set = process_set
         comm = mpi_ops._comm(process_set)
         self._rank, self._size = comm.rank(), comm.size()
-        self._prefix = f"zero.opt{next(_instances)}"
+        self._prefix = f"zero.opt{_instances.next(process_set)}"
         self._all = [p for g in optimizer.param_groups for p in g["params"]]
         names = _names(self._all, named_parameters)
         _check_stage(self._all, names, stage, offload)
         self._device = _check_parameters(self._all, names)
         self._reduced = False
         self._should_synchronize = True
+        self._passes = {}  # (dtype, bucket) -> {parameter: backward passes since the step}
+        self._inflight = {}  # (dtype, bucket) -> [handle, flat gradients, result]
         if stage == 3:  # the ShardedModule's slices: stepped as they are
             self._runs, self._shards, self._inner = {}, [], optimizer
             return
@@ -111,10 +177,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         trainable = [p for p in self._all if p.requires_grad]
         for p in trainable:
             self._runs.setdefault(p.dtype, [])
-        self._runs = {d: _Run(d, [p for p in trainable if p.dtype is d], self._rank, self._size)
+        cap_bytes = int(bucket_cap_mb * (1 << 20))
+        self._runs = {d: _Run(d, [p for p in trainable if p.dtype is d], self._size,
+                              max(1, cap_bytes // torch.empty(0, dtype=d).element_size()))
                       for d in self._runs}
         self._shards = self._make_shards(optimizer.param_groups)
         self._inner = self._make_inner(optimizer)
+        self._bucket_of = {p: (run, k) for run in self._runs.values()
+                           for k in range(len(run.buckets)) for p, _ in run.bucket_params(k)}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_ready)
+                       for p in self._bucket_of]
         if optimizer.state:  # a stepped optimizer: keep what it learnt
             self.load_state_dict(optimizer.state_dict())
             optimizer.state.clear()
@@ -132,8 +204,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 start = position[dtype]
                 position[dtype] = start + sum(p.numel() for p in members)
                 shard = _Shard(gi, run, start, position[dtype], self._rank)
-                values = _flat([p.detach() for p in members], shard.a - start,
-                               shard.b - start)
+                values = _flat_ranges([p.detach() for p in members], shard.ranges, start)
                 master = values.to(device=host, dtype=_master_dtype(dtype), copy=True)
                 if self._offload and host != self._device and torch.cuda.is_available():
                     master = master.pin_memory()
@@ -196,33 +267,87 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # ---- steps ----
 
+    def _gradient_ready(self, p):
+        """A gradient hook: once every parameter of p's bucket has had its backward passes,
+        the bucket's reduction starts (the rest of backward runs meanwhile)."""
+        run, k = self._bucket_of[p]
+        passes = self._passes.setdefault((run.dtype, k), {})
+        passes[p] = passes.get(p, 0) + 1
+        if passes[p] > self._passes_per_step:
+            raise UsageError(f"ShardedOptimizer: a gradient was computed more than "
+                             f"backward_passes_per_step={self._passes_per_step} times before "
+                             "step(); call step() (or synchronize()) first, or raise "
+                             "backward_passes_per_step")
+        members = run.buckets[k][1] - run.buckets[k][0]
+        if len(passes) == members and all(n == self._passes_per_step for n in passes.values()):
+            self._start_bucket(run, k)
+        self._collect_finished()
+
+    def _start_bucket(self, run, k):
+        """Start averaging bucket k of run: stage 1 allreduces it (every p.grad becomes a
+        view of the average), stage 2 reduce-scatters it (each rank gets its piece; every
+        p.grad is dropped). Parameters without a gradient count as zeros."""
+        members = run.bucket_params(k)
+        flat = _flat_gradients(members, run.spans[k][0])
+        name = f"{self._prefix}.grads.{str(run.dtype).replace('torch.', '')}.{k}"
+        if self._stage == 1:
+            handle = mpi_ops.allreduce_async_(flat, op=Average, name=name,
+                                              process_set=self._process_set)
+            start = run.spans[k][0]
+            for p, off in members:
+                p.grad = flat[off - start: off - start + p.numel()].view_as(p)
+        else:
+            handle = mpi_ops.reducescatter_async(flat, name=name, op=Average,
+                                                 process_set=self._process_set)
+        self._inflight[(run.dtype, k)] = [handle, flat, None]
+
+    def _collect_finished(self):
+        """Take the results of the reductions that are done, so that stage 2 frees each
+        bucket's gradients while backward still runs."""
+        for entry in self._inflight.values():
+            if entry[0] is not None and mpi_ops.poll(entry[0]):
+                self._finish(entry)
+
+    def _finish(self, entry):
+        result = mpi_ops.synchronize(entry[0])
+        entry[0] = None
+        if self._stage == 2:
+            entry[1], entry[2] = None, result
+        else:
+            entry[2] = entry[1]
+
+    def _my_piece(self, run, k):
+        entry = self._inflight[(run.dtype, k)]
+        if entry[0] is not None:
+            self._finish(entry)
+        if self._stage == 2:
+            return entry[2]
+        a, cuts = run.spans[k][0], run.splits[k]
+        return entry[2][cuts[self._rank] - a: cuts[self._rank + 1] - a]
+
     def synchronize(self):
         """Average the gradients over the set: this rank's shard tensors get their slice of
         the average (stage 1: every p.grad holds the average as well; stage 2: every
-        p.grad is dropped). Parameters without a gradient on a rank count as zeros."""
+        p.grad is dropped). Buckets backward has not started (a parameter without a
+        gradient on this rank, or no backward at all) start here, missing gradients
+        counting as zeros."""
         if self._reduced:
             return
         self._check_set()
         if self._stage == 3:  # the backward pass reduce-scattered them already
             self._reduced = True
             return
-        runs = list(self._runs.values())
-        flats = [_flat_gradients(run) for run in runs]
-        if self._stage == 1:
-            mpi_ops.grouped_allreduce_(flats, op=Average, name=f"{self._prefix}.grads",
-                                       process_set=self._process_set)
-            for run, flat in zip(runs, flats):
-                for p, off in zip(run.params, run.offsets):
-                    p.grad = flat[off: off + p.numel()].view_as(p)
-            mine = [flat[run.lo: run.hi] for run, flat in zip(runs, flats)]
-        else:
-            mine = mpi_ops.grouped_reducescatter(flats, name=f"{self._prefix}.grads",
-                                                 op=Average, process_set=self._process_set)
-            del flats
-        pieces = dict(zip(self._runs, mine))
+        for run in self._runs.values():
+            for k in range(len(run.buckets)):
+                if (run.dtype, k) not in self._inflight:
+                    self._start_bucket(run, k)
+        mine = {run.dtype: torch.cat([self._my_piece(run, k) for k in range(len(run.buckets))])
+                for run in self._runs.values()}
         for s in self._shards:
-            piece = pieces[s.run.dtype][s.a - s.run.lo: s.b - s.run.lo]
+            piece = mine[s.run.dtype][s.at: s.at + s.numel]
             s.master.grad = piece.to(device=s.master.device, dtype=s.master.dtype)
+        self._inflight.clear()
+        self._passes.clear()
         self._reduced = True
 
     @contextlib.contextmanager
@@ -254,16 +379,30 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _allgather_parameters(self):
-        mine = [torch.cat([s.master.detach() for s in self._shards if s.run is run])
-                .to(device=self._device, dtype=run.dtype) for run in self._runs.values()]
-        fulls = mpi_ops.grouped_allgather(mine, name=f"{self._prefix}.params",
+        """Every bucket whole from every rank's updated piece of it."""
+        pieces, buckets = [], []
+        for run in self._runs.values():
+            mine = torch.cat([s.master.detach() for s in self._shards if s.run is run]) \
+                .to(device=self._device, dtype=run.dtype)
+            at = 0
+            for k, cuts in enumerate(run.splits):
+                n = cuts[self._rank + 1] - cuts[self._rank]
+                pieces.append(mine[at: at + n])
+                buckets.append((run, k))
+                at += n
+        fulls = mpi_ops.grouped_allgather(pieces, name=f"{self._prefix}.params",
                                           process_set=self._process_set)
         with torch.no_grad():
-            for run, full in zip(self._runs.values(), fulls):
-                for p, off in zip(run.params, run.offsets):
-                    p.copy_(full[off: off + p.numel()].view_as(p))
+            for (run, k), full in zip(buckets, fulls):
+                start = run.spans[k][0]
+                for p, off in run.bucket_params(k):
+                    p.copy_(full[off - start: off - start + p.numel()].view_as(p))
 
     def zero_grad(self, set_to_none: bool = True):
+        """As torch's. Reductions that backward started are finished first, and the rest
+        started, as synchronize() does (every rank takes part in them), then dropped."""
+        if self._inflight:
+            self.synchronize()
         self._optimizer.zero_grad(set_to_none=set_to_none)
         self._inner.zero_grad(set_to_none=set_to_none)
         self._reduced = False
@@ -274,7 +413,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Bytes of tensors this rank holds, by kind: "parameters" (the full parameters and
         this rank's master slices), "gradients" (p.grad kept and the shard gradients),
         "optimizer_state" (the shard optimizer's state). Tensors sharing storage count once."""
-        grads = [p.grad for p in self._all] + [s.master.grad for s in self._shards]
+        grads = [p.grad for p in self._all] + [s.master.grad for s in self._shards] + \
+            [t for entry in self._inflight.values() for t in entry[1:]]
         states = [self._inner.state] if self._inner is self._optimizer else \
             [self._inner.state, self._optimizer.state]
         state = [v for st in itertools.chain(*(s.values() for s in states))
@@ -296,7 +436,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _layout(self):
         if self._stage == 3:
             return [(str(p.dtype), p._ringsync_unit.numel) for p in self._all]
-        return [(str(d), run.numel) for d, run in self._runs.items()]
+        return [(str(d), run.numel, run.spans) for d, run in self._runs.items()]
 
     def load_state_dict(self, state_dict):
         """Either this optimizer's own state_dict() (same rank, same set size) or a full
@@ -345,7 +485,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if _elementwise(key, values, params):
                     whole = [v if v is not None else torch.zeros(p.shape, dtype=like.dtype)
                              for v, p in zip(values, params)]
-                    entry[key] = _flat(whole, s.a - s.start, s.b - s.start) \
+                    entry[key] = _flat_ranges(whole, s.ranges, s.start) \
                         .to(s.master.device).clone()
                 else:  # (one per tensor, such as Adam's step: the first parameter's)
                     entry[key] = like.clone() if torch.is_tensor(like) else copy.deepcopy(like)
@@ -368,11 +508,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         kinds = {}
         for s in self._shards:
             key, total = _shard_key(s), s.stop - s.start
-            parts.add_piece(f"{key}.master", s.master, s.a - s.start, total)
+            for a, _, piece in s.by_range(s.master):
+                parts.add_piece(f"{key}.master", piece, a, total)
             for k, v in self._inner.state.get(s.master, {}).items():
                 elementwise = torch.is_tensor(v) and v.shape == s.master.shape
                 if elementwise:
-                    parts.add_piece(f"{key}.{k}", v, s.a - s.start, total)
+                    for a, _, piece in s.by_range(v):
+                        parts.add_piece(f"{key}.{k}", piece, a, total)
                 else:
                     parts.whole[f"{key}.{k}"] = v.detach().cpu().clone() \
                         if torch.is_tensor(v) else v
@@ -400,10 +542,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                   f"the saved one (saved {saved}, here {self._shard_layout()})")
         kinds, state = reader.whole("optimizer.kinds"), {}
         for si, s in enumerate(self._shards):
-            key, total, a, b = _shard_key(s), s.stop - s.start, s.a - s.start, s.b - s.start
+            key = _shard_key(s)
             with torch.no_grad():
-                s.master.copy_(reader.range(f"{key}.master", a, b, total))
-            entry = {k: reader.range(f"{key}.{k}", a, b, total) if kind == "piece"
+                s.master.copy_(s.read(reader, f"{key}.master", s.master))
+            entry = {k: s.read(reader, f"{key}.{k}", s.master) if kind == "piece"
                      else reader.whole(f"{key}.{k}") for k, kind in kinds.get(key, {}).items()}
             if entry:
                 state[si] = entry
@@ -441,14 +583,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
         index = {p: i for i, p in enumerate(self._all)}
         state = {}
         for si, s in enumerate(self._shards):
-            parts = [(s.range_of(r), part[si]) for r, (_, part) in enumerate(everyone)]
-            keys = dict.fromkeys(k for _, st in parts for k in st)
+            parts = [part[si] for _, part in everyone]
+            keys = dict.fromkeys(k for st in parts for k in st)
             params = s.params()
+            sizes = [sum(b - a for a, b in s.ranges_of(r)) for r in range(len(parts))]
             for key in keys:
-                pieces = [st.get(key) for _, st in parts]
-                if all(v is None or torch.is_tensor(v) and v.dim() == 1 and
-                       v.numel() == b - a for ((a, b), _), v in zip(parts, pieces)):
-                    flat = torch.cat([v for v in pieces if v is not None])
+                pieces = [st.get(key) for st in parts]
+                if all(v is None or torch.is_tensor(v) and v.dim() == 1 and v.numel() == n
+                       for v, n in zip(pieces, sizes)):
+                    like = next(v for v in pieces if v is not None)
+                    flat = like.new_zeros(s.stop - s.start)
+                    for r, v in enumerate(pieces):
+                        for a, b, piece in s.by_range(v, r) if v is not None else ():
+                            flat[a: b] = piece
                     off = s.start
                     for p in params:
                         state.setdefault(index[p], {})[key] = \
@@ -467,13 +614,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return {"state": state, "param_groups": groups}
 
 
-def _flat_gradients(run):
-    """One run's gradients laid end to end (zeros where a parameter has none), each p.grad
-    dropped once copied: the gradients are never held twice (the new buffer's pages cost
-    memory only as they are written)."""
-    flat = torch.empty(run.numel, dtype=run.dtype, device=run.params[0].device)
-    for p, off in zip(run.params, run.offsets):
-        piece = flat[off: off + p.numel()]
+def _flat_gradients(members, start):
+    """The gradients of members ((parameter, offset) pairs, consecutive from `start`) laid
+    end to end, zeros where a parameter has none, each p.grad dropped once copied: the
+    gradients are never held twice (the new buffer's pages cost memory only as written)."""
+    last, end = members[-1]
+    flat = torch.empty(end + last.numel() - start, dtype=last.dtype, device=last.device)
+    for p, off in members:
+        piece = flat[off - start: off - start + p.numel()]
         if p.grad is None:
             piece.zero_()
         else:
@@ -484,6 +632,12 @@ def _flat_gradients(run):
 
 def _shard_key(shard):
     return f"optimizer.g{shard.group}.{str(shard.run.dtype).replace('torch.', '')}"
+
+
+def _flat_ranges(tensors, ranges, base):
+    """Elements [a - base, b - base) of `tensors` laid end to end, for each (a, b)."""
+    pieces = [_flat(tensors, a - base, b - base) for a, b in ranges]
+    return torch.cat(pieces) if pieces else tensors[0].new_empty(0)
 
 
 def _flat(tensors, a, b):

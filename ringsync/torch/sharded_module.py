@@ -34,6 +34,7 @@ import weakref
 import torch
 
 from ringsync import Average
+from ringsync._adapters import InstanceNumbers
 from ringsync._core import even_split
 from ringsync.errors import UsageError
 from ringsync.objects import allgather_object
@@ -42,7 +43,7 @@ from ringsync.process_sets import global_process_set
 from . import mpi_ops
 from .sharded import _held
 
-_instances = itertools.count()  # collective names of each module, in construction order
+_instances = InstanceNumbers()  # collective names of each module
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
@@ -124,7 +125,7 @@ class ShardedModule(torch.nn.Module):
         self._process_set, self._compute_dtype = process_set, mixed_precision
         comm = mpi_ops._comm(process_set)
         self._rank, self._size = comm.rank(), comm.size()
-        self._prefix = f"zero3.m{next(_instances)}"
+        self._prefix = f"zero3.m{_instances.next(process_set)}"
         if broadcast_from_first_rank:
             self._broadcast_states()
         self._units = self._make_units()

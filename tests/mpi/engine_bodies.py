@@ -128,15 +128,23 @@ def mismatches_fail_on_every_rank():
         rs.allreduce, np.ones(6 if odd else 5), name="cached")
     assert np.array_equal(rs.allreduce(np.ones(6), op=rs.Sum, name="cached"), np.full(6, rs.size()))
     assert np.array_equal(rs.allreduce(np.ones(6), op=rs.Sum, name="cached"), np.full(6, rs.size()))
-    # Local mistakes fail on the calling rank at submission, before any negotiation.
-    h = rs.allreduce_async(np.ones(2), name="twice")
-    try:
-        rs.allreduce_async(np.ones(2), name="twice")
-    except rs.UsageError as e:
-        assert "'twice' is already in flight" in str(e), str(e)
-    else:
-        raise AssertionError("a second 'twice' in flight was accepted")
-    rs.synchronize(h)
+    # Local mistakes fail on the calling rank at submission, before any negotiation. Each
+    # rank in turn submits a name twice while the others have not submitted it once (so
+    # the first cannot have completed in between, however the ranks are scheduled).
+    for turn in range(rs.size()):
+        name = f"twice.{turn}"
+        if rs.rank() == turn:
+            h = rs.allreduce_async(np.ones(2), name=name)
+            try:
+                rs.allreduce_async(np.ones(2), name=name)
+            except rs.UsageError as e:
+                assert f"'{name}' is already in flight" in str(e), str(e)
+            else:
+                raise AssertionError(f"a second '{name}' in flight was accepted")
+        rs.allreduce(np.ones(1), name=f"turn.{turn}")
+        if rs.rank() != turn:
+            h = rs.allreduce_async(np.ones(2), name=name)
+        rs.synchronize(h)
     rs.shutdown()
 
 

@@ -10,7 +10,10 @@ import ringsync.torch as hvd
 from ringsync.objects import broadcast_object
 
 STEPS = 4
-CONFIGS = [(1, False), (1, True), (2, False), (2, True)]  # (stage, offload)
+TINY = 1200 / 2 ** 20  # bucket_cap_mb of 1200 bytes: the model's 5 tensors in 4 buckets
+# (stage, offload, bucket_cap_mb)
+CONFIGS = [(1, False, 25), (1, True, 25), (2, False, 25), (2, True, 25), (1, False, TINY),
+           (2, False, TINY), (2, True, TINY)]
 
 
 class _Model(torch.nn.Module):
@@ -93,26 +96,30 @@ def same_as_distributed_optimizer():
         ref, ref_opt = _reference(kind)
         ref_state = ref_opt.state_dict()
         unsharded_state = _state_bytes(ref_opt)
-        for stage, offload in CONFIGS:
-            what = f"{kind} stage {stage} offload {offload}"
+        for stage, offload, cap in CONFIGS:
+            what = f"{kind} stage {stage} offload {offload} bucket_cap_mb {cap:.4g}"
             model = _Model()
             opt = hvd.ShardedOptimizer(_optimizer(model, kind), model.named_parameters(),
-                                       stage=stage, offload=offload)
+                                       stage=stage, offload=offload, bucket_cap_mb=cap)
+            buckets = 4 if cap == TINY else 1
+            assert [len(run.buckets) for run in opt._runs.values()] == [buckets], what
             _train(model, opt, STEPS)
             _same_parameters(model, ref, 1e-10, what)
             assert [g["lr"] for g in opt.param_groups] == \
                 [g["lr"] for g in ref_opt.param_groups], what
             mem = opt.memory()
             full_params = sum(p.numel() * 8 for p in model.parameters())
-            assert full_params + 605 // size * 8 <= mem["parameters"] <= \
-                full_params + trainable / size + 16, (what, mem)
-            assert mem["optimizer_state"] <= unsharded_state / size + 64, \
+            slack = 8 * buckets  # (the first ranks own one element more of each bucket)
+            assert full_params + 605 // size * 8 - slack <= mem["parameters"] <= \
+                full_params + trainable / size + 2 * slack, (what, mem)
+            assert mem["optimizer_state"] <= unsharded_state / size + 64 + 2 * slack, \
                 (what, mem, unsharded_state)
             if stage == 1:
-                assert mem["gradients"] <= trainable + trainable / size + 16, (what, mem)
+                assert mem["gradients"] <= trainable + trainable / size + 2 * slack, \
+                    (what, mem)
             else:
                 assert all(p.grad is None for p in model.parameters()), what
-                assert mem["gradients"] <= trainable / size + 16, (what, mem)
+                assert mem["gradients"] <= trainable / size + 2 * slack, (what, mem)
             to = size - 1
             full = opt.consolidate_state_dict(to=to)
             if hvd.rank() != to:
@@ -377,3 +384,39 @@ def stage3_details():
 
 def _keep(x):
     return x
+
+
+def reductions_start_during_backward():
+    """Stage 2 with one bucket per tensor: backward itself hands every gradient to a
+    reduction (each p.grad is gone before step()); over two backward passes per step
+    (backward_passes_per_step=2) the same parameters as DistributedOptimizer's; a third
+    pass is refused."""
+    hvd.init()
+    ref = _Model()
+    # (named: unnamed optimizers are numbered per process, and on_a_process_set made one
+    # on some ranks only)
+    ref_opt = hvd.DistributedOptimizer(_optimizer(ref, "adam"), ref.named_parameters(),
+                                       backward_passes_per_step=2)
+    model = _Model()
+    opt = hvd.ShardedOptimizer(_optimizer(model, "adam"), stage=2, bucket_cap_mb=TINY,
+                               backward_passes_per_step=2)
+    for m, o in ((ref, ref_opt), (model, opt)):
+        for step in range(STEPS):
+            o.zero_grad()
+            m.loss(2 * step).backward()
+            m.loss(2 * step + 1).backward()
+            if o is opt:
+                # Buckets: l1.weight, l1.bias, l2.weight, (l2.bias, extra); extra has a
+                # gradient on rank 0 only, so its bucket waits for step() elsewhere.
+                assert all(p.grad is None for p in (m.l1.weight, m.l1.bias, m.l2.weight)), \
+                    "stage 2: gradients were not taken during backward"
+                started = 4 if hvd.rank() == 0 else 3
+                assert len(opt._inflight) == started, opt._inflight.keys()
+            o.step()
+    _same_parameters(model, ref, 1e-10, "backward_passes_per_step=2")
+    opt.zero_grad()
+    for step in range(2):
+        model.loss(step).backward()
+    _raises(lambda: model.loss(9).backward(), "more than backward_passes_per_step=2")
+    opt.zero_grad()
+    hvd.shutdown()
