@@ -3,7 +3,6 @@ API as Horovod users call it, under several ranks.
 
 The rank code is in tests/mpi/keras_bodies.py (MODULE below); the bodies of one rank count
 run one after another in one job (tests/mpi/in_order.py): importing TensorFlow takes seconds."""
-import os
 
 import pytest
 
@@ -33,11 +32,8 @@ def test_fit_callbacks_saving_and_horovods_keras_api(tmp_path):
                         "save_and_load_a_wrapped_model", "horovod_keras_api"))
 
 
-def _example(name):
-    return os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "examples", name))
-
-
-@pytest.mark.parametrize("example", ["tensorflow2_keras_mnist.py", "tensorflow2_mnist.py"])
-def test_horovods_tensorflow2_examples_learn(example):
-    """Horovod's two TensorFlow 2 examples, only the import changed."""
-    assert_mpi_ok(_example(example), np=2, timeout=300, env=ENV, args=("--check",))
+def test_horovods_tensorflow2_examples_learn():
+    """Horovod's two TensorFlow 2 examples, only the import changed, one after the other in
+    one job (one TensorFlow import)."""
+    assert_mpi_ok("tests.mpi.in_order:examples", np=2, timeout=400, env=ENV,
+                  args=["tensorflow2_keras_mnist.py --check", "tensorflow2_mnist.py --check"])

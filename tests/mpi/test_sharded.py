@@ -1,8 +1,6 @@
 """ringsync.torch.ShardedOptimizer (ZeRO stages 1 and 2) and ShardedModule (stage 3):
 tests/mpi/sharded_bodies.py, all bodies in one mpirun job per rank count (see
 tests/mpi/in_order.py)."""
-import os
-
 import pytest
 
 pytest.importorskip("torch")
@@ -25,10 +23,3 @@ def test_sharded_optimizer(np):
     assert_mpi_ok(in_order.TARGET, np=np, timeout=120, env=ENV,
                   args=in_order.args_for(MODULE, BODIES))
 
-
-def test_zero_digits_example_reaches_95_percent_at_stage_3():
-    """examples/zero_digits.py (stage 3: ShardedModule), 7 epochs, with --check; stages 1, 2 are
-    the same script with ShardedOptimizer alone, covered by the bodies above."""
-    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "zero_digits.py")
-    assert_mpi_ok(os.path.abspath(example), np=2, timeout=300, env=ENV,
-                  args=("--stage", "3", "--epochs", "7", "--check"))

@@ -3,7 +3,6 @@
 The rank code is in tests/mpi/torch_bodies.py (MODULE below), not in this file: importing
 torch takes seconds, so the tests run several bodies one after another in one mpirun job
 through tests/mpi/in_order.py."""
-import os
 
 import pytest
 
@@ -12,6 +11,9 @@ pytest.importorskip("torch")
 from ringsync.testing import assert_mpi_ok  # noqa: E402
 
 from . import in_order  # noqa: E402
+from .test_horovod_torch import BODIES as HOROVOD_BODIES  # noqa: E402
+from .test_horovod_torch import HOROVOD_EXAMPLES  # noqa: E402
+from .test_horovod_torch import MODULE as HOROVOD_MODULE  # noqa: E402
 
 pytestmark = pytest.mark.requires_mpirun
 
@@ -35,15 +37,23 @@ TRAINING = [("sgd", "float64", "1", "none"), ("sgd", "float64", "2", "none"),
 def test_torch(np):
     """Every body, one after another in one job (see tests/mpi/in_order.py); with several
     ranks, then DistributedOptimizer on 1/np of each batch against one process, for every
-    optimizer x dtype x backward_passes_per_step x compression in TRAINING."""
+    optimizer x dtype x backward_passes_per_step x compression in TRAINING; then, in the
+    same job (one torch import), horovod.torch's API as Horovod users call it
+    (tests/mpi/test_horovod_torch.py BODIES)."""
     training = in_order.args_for(MODULE, ["training_matches_one_process"], TRAINING)[1:]
-    assert_mpi_ok(in_order.TARGET, np=np, timeout=400, env=ENV,
-                  args=(MODULE, *BODIES, *(training if np > 1 else ())))
+    args = in_order.chain((MODULE, *BODIES, *(training if np > 1 else ())),
+                          in_order.args_for(HOROVOD_MODULE, HOROVOD_BODIES))
+    assert_mpi_ok(in_order.TARGET, np=np, timeout=500, env=ENV, args=args)
 
 
-def test_pytorch_digits_example_reaches_95_percent():
-    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "pytorch_digits.py")
-    assert_mpi_ok(os.path.abspath(example), np=2, timeout=300, env=ENV, args=("--check",))
+def test_pytorch_examples_learn():
+    """The PyTorch examples with --check, one after another in one job (one torch import):
+    pytorch_digits.py (95 % accuracy), zero_digits.py at stage 3 (ShardedModule, the same
+    95 %; stages 1 and 2 are ShardedOptimizer alone, covered by tests/mpi/test_sharded.py),
+    and Horovod's examples (tests/mpi/test_horovod_torch.py HOROVOD_EXAMPLES)."""
+    examples = ["pytorch_digits.py --check", "zero_digits.py --stage 3 --epochs 7 --check",
+                *HOROVOD_EXAMPLES]
+    assert_mpi_ok("tests.mpi.in_order:examples", np=2, timeout=400, env=ENV, args=examples)
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
