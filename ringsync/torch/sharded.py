@@ -289,7 +289,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         p.grad is dropped). Parameters without a gradient count as zeros."""
         members = run.bucket_params(k)
         flat = _flat_gradients(members, run.spans[k][0])
-        name = f"{self._prefix}.grads.{str(run.dtype).replace('torch.', '')}.{k}"
+        name = f"{self._prefix}.grads.{_dtype_name(run.dtype)}.{k}"
         if self._stage == 1:
             handle = mpi_ops.allreduce_async_(flat, op=Average, name=name,
                                               process_set=self._process_set)
@@ -379,24 +379,37 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _allgather_parameters(self):
-        """Every bucket whole from every rank's updated piece of it."""
-        pieces, buckets = [], []
+        """Every bucket whole from every rank's updated piece of it, a bucket or two at a
+        time (the next one's allgather runs while this one is copied into place), so no
+        more than two buckets' copies are held at once."""
+        pending = []
         for run in self._runs.values():
-            mine = torch.cat([s.master.detach() for s in self._shards if s.run is run]) \
-                .to(device=self._device, dtype=run.dtype)
             at = 0
             for k, cuts in enumerate(run.splits):
                 n = cuts[self._rank + 1] - cuts[self._rank]
-                pieces.append(mine[at: at + n])
-                buckets.append((run, k))
+                piece = self._mine(run, at, at + n).to(device=self._device, dtype=run.dtype)
                 at += n
-        fulls = mpi_ops.grouped_allgather(pieces, name=f"{self._prefix}.params",
-                                          process_set=self._process_set)
+                pending.append((run, k, mpi_ops.allgather_async(
+                    piece, name=f"{self._prefix}.params.{_dtype_name(run.dtype)}.{k}",
+                    process_set=self._process_set)))
+                if len(pending) == 2:
+                    self._copy_into_parameters(*pending.pop(0))
+        for args in pending:
+            self._copy_into_parameters(*args)
+
+    def _mine(self, run, lo, hi):
+        """Elements [lo, hi) of this rank's pieces of run, from the shards' master copies."""
+        parts = [s.master.detach()[max(lo, s.at) - s.at: min(hi, s.at + s.numel) - s.at]
+                 for s in self._shards if s.run is run and s.at < hi and lo < s.at + s.numel]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=_master_dtype(run.dtype),
+                                                          device=self._device)
+
+    def _copy_into_parameters(self, run, k, handle):
+        full = mpi_ops.synchronize(handle)
+        start = run.spans[k][0]
         with torch.no_grad():
-            for (run, k), full in zip(buckets, fulls):
-                start = run.spans[k][0]
-                for p, off in run.bucket_params(k):
-                    p.copy_(full[off - start: off - start + p.numel()].view_as(p))
+            for p, off in run.bucket_params(k):
+                p.copy_(full[off - start: off - start + p.numel()].view_as(p))
 
     def zero_grad(self, set_to_none: bool = True):
         """As torch's. Reductions that backward started are finished first, and the rest
@@ -630,8 +643,12 @@ def _flat_gradients(members, start):
     return flat
 
 
+def _dtype_name(dtype):
+    return str(dtype).replace("torch.", "")
+
+
 def _shard_key(shard):
-    return f"optimizer.g{shard.group}.{str(shard.run.dtype).replace('torch.', '')}"
+    return f"optimizer.g{shard.group}.{_dtype_name(shard.run.dtype)}"
 
 
 def _flat_ranges(tensors, ranges, base):
