@@ -86,19 +86,22 @@ def _cut(offsets, cap):
 
 
 class _Shard:
-    """This rank's part of one param group's parameters of one dtype: where the group
-    occupies [start, stop) of run `run`, the elements `ranges` of it (the rank's pieces
-    of the buckets, clipped), which start at element `at` of the rank's pieces."""
+    """This rank's part of one param group's parameters of one dtype in one bucket: where
+    the group occupies [gstart, gstop) of run `run` and this bucket's part of it is
+    [start, stop), the elements `ranges` of that (the rank's piece of the bucket,
+    clipped), which start at element `at` of the rank's pieces. (One master tensor per
+    bucket keeps the optimizer's temporaries, one master-sized tensor at a time, small.)"""
 
-    def __init__(self, group, run, start, stop, rank):
-        self.group, self.run, self.start, self.stop = group, run, start, stop
+    def __init__(self, group, run, span, group_span, rank):
+        self.group, self.run = group, run
+        (self.start, self.stop), (self.gstart, self.gstop) = span, group_span
         self.ranges = self.ranges_of(rank)
         self.numel = sum(b - a for a, b in self.ranges)
-        self.at = run.owned_before(rank, start)
+        self.at = run.owned_before(rank, self.start)
         self.master = None  # the torch.nn.Parameter the inner optimizer steps
 
     def params(self):
-        """The group's parameters of this dtype (all of them, not only this rank's)."""
+        """The group's parameters of this dtype in this bucket (not only this rank's)."""
         return [p for p, off in zip(self.run.params, self.run.offsets)
                 if self.start <= off < self.stop]
 
@@ -106,19 +109,19 @@ class _Shard:
         clipped = [(max(a, self.start), min(b, self.stop)) for a, b in self.run.pieces(rank)]
         return [(a, b) for a, b in clipped if a < b]
 
-    def by_range(self, values, rank=None):
+    def by_range(self, values, rank=None, base=None):
         """(a, b, the part of `values` holding elements [a, b)) for each of rank's ranges
         (this rank's by default), where `values` holds the rank's elements end to end and
-        a, b count from the group's start."""
-        at = 0
+        a, b count from `base` (the group's start by default)."""
+        at, base = 0, self.gstart if base is None else base
         for a, b in self.ranges if rank is None else self.ranges_of(rank):
-            yield a - self.start, b - self.start, values[at: at + b - a]
+            yield a - base, b - base, values[at: at + b - a]
             at += b - a
 
     def read(self, reader, key, like):
         """This rank's elements of checkpoint entry `key` (of the whole group's size)."""
-        total = self.stop - self.start
-        parts = [reader.range(key, a - self.start, b - self.start, total)
+        total = self.gstop - self.gstart
+        parts = [reader.range(key, a - self.gstart, b - self.gstart, total)
                  for a, b in self.ranges]
         return torch.cat(parts) if parts else like.new_empty(0)
 
@@ -202,15 +205,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if not members:
                     continue
                 start = position[dtype]
-                position[dtype] = start + sum(p.numel() for p in members)
-                shard = _Shard(gi, run, start, position[dtype], self._rank)
-                values = _flat_ranges([p.detach() for p in members], shard.ranges, start)
-                master = values.to(device=host, dtype=_master_dtype(dtype), copy=True)
-                if self._offload and host != self._device and torch.cuda.is_available():
-                    master = master.pin_memory()
-                shard.master = torch.nn.Parameter(master)
-                shards.append(shard)
+                position[dtype] = stop = start + sum(p.numel() for p in members)
+                for a, b in run.spans:
+                    if max(a, start) < min(b, stop):
+                        span = (max(a, start), min(b, stop))
+                        shards.append(self._make_shard(gi, run, span, (start, stop), host))
         return shards
+
+    def _make_shard(self, group, run, span, group_span, host):
+        shard = _Shard(group, run, span, group_span, self._rank)
+        values = _flat_ranges([p.detach() for p in shard.params()], shard.ranges, shard.start)
+        master = values.to(device=host, dtype=_master_dtype(run.dtype), copy=True)
+        if self._offload and host != self._device and torch.cuda.is_available():
+            master = master.pin_memory()
+        shard.master = torch.nn.Parameter(master)
+        return shard
 
     def _make_inner(self, optimizer):
         groups = [dict(_hyperparameters(g), params=[s.master for s in self._shards
@@ -520,7 +529,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._pass_hyperparameters()
         kinds = {}
         for s in self._shards:
-            key, total = _shard_key(s), s.stop - s.start
+            key, total = _shard_key(s), s.gstop - s.gstart
             for a, _, piece in s.by_range(s.master):
                 parts.add_piece(f"{key}.master", piece, a, total)
             for k, v in self._inner.state.get(s.master, {}).items():
@@ -539,7 +548,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                                for g in self._optimizer.param_groups]
 
     def _shard_layout(self):
-        return [[_shard_key(s), s.stop - s.start] for s in self._shards]
+        """Each param group's size per dtype (whatever the buckets)."""
+        return [list(k) for k in dict.fromkeys((_shard_key(s), s.gstop - s.gstart)
+                                              for s in self._shards)]
 
     def load_parts(self, reader):
         """This rank's slices from a checkpoint saved on any number of ranks (the model's
@@ -558,8 +569,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             key = _shard_key(s)
             with torch.no_grad():
                 s.master.copy_(s.read(reader, f"{key}.master", s.master))
+            # (per-tensor values cloned: every bucket's shard of a group reads the same one,
+            # and torch's optimizers update such state, Adam's step, in place)
             entry = {k: s.read(reader, f"{key}.{k}", s.master) if kind == "piece"
-                     else reader.whole(f"{key}.{k}") for k, kind in kinds.get(key, {}).items()}
+                     else copy.deepcopy(reader.whole(f"{key}.{k}"))
+                     for k, kind in kinds.get(key, {}).items()}
             if entry:
                 state[si] = entry
         for mine, hyper in zip(self._optimizer.param_groups, reader.whole("optimizer.groups")):
@@ -607,7 +621,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     like = next(v for v in pieces if v is not None)
                     flat = like.new_zeros(s.stop - s.start)
                     for r, v in enumerate(pieces):
-                        for a, b, piece in s.by_range(v, r) if v is not None else ():
+                        for a, b, piece in s.by_range(v, r, s.start) if v is not None else ():
                             flat[a: b] = piece
                     off = s.start
                     for p in params:

@@ -28,6 +28,7 @@ the collective). FSDP asks the same. Not supported: a parameter shared
 by two modules, double backward (create_graph=True) through a unit's saved weights.
 """
 import contextlib
+import copy
 import itertools
 import weakref
 
@@ -383,7 +384,7 @@ def load_slice_state(optimizer, reader):
         for k, kind in kinds.get(u.key, {}).items():
             key = f"optimizer.{u.key}.{k}"
             entry[k] = reader.range(key, u.lo, u.hi, u.numel) if kind == "piece" else \
-                reader.whole(key)
+                copy.deepcopy(reader.whole(key))  # (never shared: optimizers update in place)
         if entry:
             state[i] = entry
     at, groups = 0, []
