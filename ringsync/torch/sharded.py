@@ -95,6 +95,7 @@ class _Shard:
     def __init__(self, group, run, span, group_span, rank):
         self.group, self.run = group, run
         (self.start, self.stop), (self.gstart, self.gstop) = span, group_span
+        self.bucket = next(k for k, (a, b) in enumerate(run.spans) if a <= self.start < b)
         self.ranges = self.ranges_of(rank)
         self.numel = sum(b - a for a, b in self.ranges)
         self.at = run.owned_before(rank, self.start)
@@ -350,10 +351,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for k in range(len(run.buckets)):
                 if (run.dtype, k) not in self._inflight:
                     self._start_bucket(run, k)
-        mine = {run.dtype: torch.cat([self._my_piece(run, k) for k in range(len(run.buckets))])
-                for run in self._runs.values()}
-        for s in self._shards:
-            piece = mine[s.run.dtype][s.at: s.at + s.numel]
+        pieces = {(run.dtype, k): self._my_piece(run, k) for run in self._runs.values()
+                  for k in range(len(run.buckets))}
+        for s in self._shards:  # (each shard lies in one bucket: a view of its piece)
+            at = s.at - s.run.owned_before(self._rank, s.run.spans[s.bucket][0])
+            piece = pieces[(s.run.dtype, s.bucket)][at: at + s.numel]
             s.master.grad = piece.to(device=s.master.device, dtype=s.master.dtype)
         self._inflight.clear()
         self._passes.clear()
