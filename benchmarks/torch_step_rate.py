@@ -10,7 +10,12 @@ communication, the same per-rank batch) gives the compute-only baseline.
 
 Printed on rank 0, per model: ringsync steps/s, DDP steps/s, their ratio (above 1:
 ringsync is faster), and ringsync's step time over the single process's step time (the
-cost of data parallelism; 1.00 would be free).
+cost of data parallelism; 1.00 would be free). A second table puts the cost in
+milliseconds per step: each library's overhead (its step minus the single process's),
+ringsync's overhead as a share of DDP's, and against the copy-and-reduce bound of the
+step's gradient bytes, measured in the same run: every rank at once copies its gradients
+into a buffer, adds a buffer of the same size to it and copies the sum back (three
+memory-speed passes, what any data-parallel step must at least do on one host).
 """
 import argparse
 import copy
@@ -195,6 +200,22 @@ def time_single(comm, step, args):
     return comm.bcast(seconds, root=0)
 
 
+def copy_and_reduce_seconds(comm, nbytes, repeat=20):
+    """The bound: every rank at once copies nbytes of float32 gradients into a buffer,
+    adds another buffer of that size to it, and copies the sum back (median of repeat)."""
+    grads = torch.rand(nbytes // 4)
+    fused, peer = torch.empty_like(grads), torch.rand(nbytes // 4)
+    times = []
+    for _ in range(repeat + 2):
+        comm.Barrier()
+        start = time.perf_counter()
+        fused.copy_(grads)
+        fused.add_(peer)
+        grads.copy_(fused)
+        times.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
+    return sorted(times[2:])[repeat // 2]
+
+
 def ranks_agree(comm, model):
     """True when every rank holds bit-identical parameters (both libraries should keep
     them so; a difference means the gradients were not averaged the same everywhere)."""
@@ -222,6 +243,9 @@ def benchmark_model(comm, name, index, args, lr=1e-3):
     _, step = single_step(name, initial_state, batch, lr)
     rates = {s: args.rounds * args.steps / t for s, t in seconds.items()}
     rates["single"] = args.steps / time_single(comm, step, args)
+    rates["bound"] = 1.0 / copy_and_reduce_seconds(comm, 4 * describe(name)[1])
+    # every rank stepping alone at the same time: what sharing the host costs, no reduction
+    rates["together"] = args.steps / time_together(comm, step, args)
     return rates
 
 
@@ -245,6 +269,21 @@ def print_table(comm, args, results):
               f"{rates['single'] / rates['ringsync']:>28.2f}")
     singles = ", ".join(f"{n} {r['single']:.1f}" for n, r in results.items())
     print(f"(1-process steps/s: {singles})", flush=True)
+    print()
+    header = (f"{'model':<11} {'grad MB':>7} {'1-process ms':>12} {'no-comm +ms':>11} "
+              f"{'ringsync +ms':>12} {'DDP +ms':>8} {'ringsync/DDP +ms':>16} {'bound ms':>8} "
+              f"{'ringsync +ms/bound':>18}")
+    print(header)
+    print("-" * len(header))
+    for name, rates in results.items():
+        ms = {k: 1e3 / v for k, v in rates.items()}
+        ours, theirs = ms["ringsync"] - ms["single"], ms["DDP"] - ms["single"]
+        print(f"{name:<11} {4 * describe(name)[1] / 1e6:>7.1f} {ms['single']:>12.2f} "
+              f"{ms['together'] - ms['single']:>11.2f} {ours:>12.2f} {theirs:>8.2f} "
+              f"{ours / theirs:>16.2f} {ms['bound']:>8.2f} {ours / ms['bound']:>18.2f}")
+    print("(+ms: a step's time beyond the single process's; no-comm: every rank stepping alone "
+          "at once, no reduction;\n goals: ringsync/DDP +ms <= 0.33, +ms/bound <= 1.5)",
+          flush=True)
 
 
 def main():
