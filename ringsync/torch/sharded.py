@@ -30,6 +30,7 @@ separate host (CPU) buffer, pinned when CUDA is there, and steps there.
 import contextlib
 import copy
 import itertools
+import weakref
 
 import torch
 
@@ -189,7 +190,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._inner = self._make_inner(optimizer)
         self._bucket_of = {p: (run, k) for run in self._runs.values()
                            for k in range(len(run.buckets)) for p, _ in run.bucket_params(k)}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_ready)
+        self._hooks = [p.register_post_accumulate_grad_hook(_weak_hook(self))
                        for p in self._bucket_of]
         if optimizer.state:  # a stepped optimizer: keep what it learnt
             self.load_state_dict(optimizer.state_dict())
@@ -657,6 +658,19 @@ def _flat_gradients(members, start):
             piece.copy_((p.grad.to_dense() if p.grad.is_sparse else p.grad).reshape(-1))
         p.grad = None
     return flat
+
+
+def _weak_hook(optimizer):
+    """A gradient hook that does not keep the optimizer alive: once it is dropped (a new
+    ShardedOptimizer built over the same parameters, say), its hooks do nothing, instead
+    of starting reductions nobody waits for."""
+    ref = weakref.ref(optimizer)
+
+    def hook(p):
+        alive = ref()
+        if alive is not None:
+            alive._gradient_ready(p)
+    return hook
 
 
 def _dtype_name(dtype):

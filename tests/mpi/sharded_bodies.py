@@ -414,6 +414,19 @@ def reductions_start_during_backward():
                 assert len(opt._inflight) == started, opt._inflight.keys()
             o.step()
     _same_parameters(model, ref, 1e-10, "backward_passes_per_step=2")
+    # A second ShardedOptimizer over the same parameters: the dropped first one's hooks
+    # must not start reductions (they would hang or raise at the next backward).
+    import gc
+    again = _Model()
+    first = hvd.ShardedOptimizer(_optimizer(again, "sgd"), stage=2)
+    del first
+    gc.collect()
+    second = hvd.ShardedOptimizer(_optimizer(again, "sgd"), stage=2)
+    reference = _Model()
+    _train(reference, hvd.DistributedOptimizer(_optimizer(reference, "sgd"),
+                                               reference.named_parameters()), 3)
+    _train(again, second, 3)
+    _same_parameters(again, reference, 1e-10, "a second optimizer over the same model")
     opt.zero_grad()
     for step in range(2):
         model.loss(step).backward()
