@@ -67,7 +67,13 @@ def test_elastic_job_survives_losing_a_whole_host(virtual_hosts, tmp_path):
         tmp_path, elastic_tests.numpy_training, 4, args=("plain",), hosts=hosts, slots=2,
         RINGSYNC_TEST_VICTIM="2,3", RINGSYNC_TEST_KILL_STEP=10)
     elastic_tests.assert_numpy_run(result, records, 2, lost_at_or_before=10)
-    assert "ringsync.elastic: lost rank(s) [2, 3] of 4" in result.output, result.report()
+    # Each victim kills itself at step 10: usually one recovery finds both gone; when one
+    # dies first, the other may still take part in that recovery and die after it, which
+    # makes two (the rank left on that host is rank 2 of 3 then, whichever died first).
+    together = "ringsync.elastic: lost rank(s) [2, 3] of 4" in result.output
+    one_by_one = re.search(r"lost rank\(s\) \[[23]\] of 4;.*\n(.*\n)*.*lost rank\(s\) "
+                           r"\[2\] of 3;", result.output)
+    assert together or one_by_one, result.report()
 
 
 def test_a_link_taken_down_fails_every_rank(virtual_hosts, tmp_path):
