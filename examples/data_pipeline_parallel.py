@@ -27,6 +27,7 @@ import sys
 import torch
 
 import ringsync.torch as hvd
+from pipeline_parallel import parameter_differences
 
 LAYERS, WIDTH = 4, 16
 RTOL = 1e-10
@@ -140,13 +141,8 @@ def differences(args, layers, stage, losses, replicas):
         if losses and abs(losses[step] - loss.item()) > RTOL * abs(loss.item()):
             found.append(f"step {step} loss: data x pipeline {losses[step]!r}, "
                          f"unsplit {loss.item()!r}")
-    for (name, p), ref in zip(layers.named_parameters(),
-                              stage_of(model, stage, args.stages).parameters()):
-        if not torch.allclose(p, ref, rtol=RTOL, atol=0):
-            worst = (p - ref).abs().argmax()
-            found.append(f"stage {stage} parameter {name}: data x pipeline "
-                         f"{p.flatten()[worst].item()!r}, unsplit {ref.flatten()[worst].item()!r}")
-    return found
+    return found + parameter_differences("data x pipeline", stage, layers,
+                                         stage_of(model, stage, args.stages))
 
 
 def main():

@@ -192,10 +192,17 @@ def differences(args, stage_no, stages, losses, layers):
         if losses and abs(losses[step] - loss.item()) > RTOL * abs(loss.item()):
             found.append(f"step {step} loss: pipeline {losses[step]!r}, unsplit {loss.item()!r}")
     mine = my_stage(reference, stage_no, stages)
-    for (name, p), ref in zip(layers.named_parameters(), mine.parameters()):
+    return found + parameter_differences("pipeline", stage_no, layers, mine)
+
+
+def parameter_differences(what, stage_no, layers, reference):
+    """A line per parameter of this stage that differs from the unsplit model's (to RTOL),
+    with both values where they differ most."""
+    found = []
+    for (name, p), ref in zip(layers.named_parameters(), reference.parameters()):
         if not torch.allclose(p, ref, rtol=RTOL, atol=0):
             worst = (p - ref).abs().argmax()
-            found.append(f"stage {stage_no} parameter {name}: pipeline "
+            found.append(f"stage {stage_no} parameter {name}: {what} "
                          f"{p.flatten()[worst].item()!r}, unsplit {ref.flatten()[worst].item()!r}")
     return found
 

@@ -94,15 +94,36 @@ def test_accuracy(model, x_test, y_test):
     return int(counts[0]) / int(counts[1])
 
 
+def train(model, optimizer, args, x_train, y_train):
+    """args.epochs epochs on this rank's shard of the training set, a loss line every 3
+    epochs from rank 0; returns (steps per epoch, seconds taken)."""
+    local_batch = max(1, args.batch // hvd.size())
+    x_mine, y_mine = my_shard(x_train, y_train)
+    steps = steps_per_epoch(len(x_train), local_batch)
+    generator = torch.Generator().manual_seed(args.seed * 1000 + hvd.rank())
+    start = time.perf_counter()
+    for epoch in range(args.epochs):
+        loss = train_epoch(model, optimizer, x_mine, y_mine, local_batch, steps, generator)
+        if hvd.rank() == 0 and ((epoch + 1) % 3 == 0 or epoch + 1 == args.epochs):
+            print(f"epoch {epoch + 1}: rank 0 train loss {loss:.4f}", flush=True)
+    return steps, time.perf_counter() - start
+
+
+def exit_unless_accurate(accuracy, check, is_root):
+    """With --check, status 1 below REQUIRED_ACCURACY. Every rank knows the summed
+    accuracy, so every rank exits with the same status."""
+    if check and accuracy < REQUIRED_ACCURACY:
+        if is_root:
+            print(f"FAILED: accuracy {accuracy:.4f} < {REQUIRED_ACCURACY}", file=sys.stderr)
+        sys.exit(1)
+
+
 def main():
     args = parse_args()
     torch.set_num_threads(1)  # ranks share the host's cores; more threads only contend
     hvd.init()
-    # The global batch (and so the learning rate's meaning) stays put as ranks are added.
-    local_batch = max(1, args.batch // hvd.size())
-
+    # (train() keeps the global batch, and so the learning rate's meaning, as ranks are added)
     x_train, y_train, x_test, y_test = load_data(args.seed)
-    x_mine, y_mine = my_shard(x_train, y_train)
 
     torch.manual_seed(args.seed + hvd.rank())  # ranks start from different parameters ...
     model = DigitsNet()
@@ -111,26 +132,14 @@ def main():
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)  # ... and rank 0's win
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
-    steps = steps_per_epoch(len(x_train), local_batch)
-    generator = torch.Generator().manual_seed(args.seed * 1000 + hvd.rank())
-    start = time.perf_counter()
-    for epoch in range(args.epochs):
-        loss = train_epoch(model, optimizer, x_mine, y_mine, local_batch, steps, generator)
-        if hvd.rank() == 0 and ((epoch + 1) % 3 == 0 or epoch + 1 == args.epochs):
-            print(f"epoch {epoch + 1}: rank 0 train loss {loss:.4f}", flush=True)
-    train_seconds = time.perf_counter() - start
-
+    steps, train_seconds = train(model, optimizer, args, x_train, y_train)
     accuracy = test_accuracy(model, x_test, y_test)
     is_root = hvd.rank() == 0  # remembered: rank() needs the ring, which shutdown() closes
     if is_root:
         print(f"trained {args.epochs} epochs x {steps} steps in {train_seconds:.1f} s")
         print(f"test accuracy on {hvd.size()} ranks: {accuracy:.4f}", flush=True)
     hvd.shutdown()
-    # Every rank knows the summed accuracy, so every rank exits with the same status.
-    if args.check and accuracy < REQUIRED_ACCURACY:
-        if is_root:
-            print(f"FAILED: accuracy {accuracy:.4f} < {REQUIRED_ACCURACY}", file=sys.stderr)
-        sys.exit(1)
+    exit_unless_accurate(accuracy, args.check, is_root)
 
 
 if __name__ == "__main__":

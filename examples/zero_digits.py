@@ -6,14 +6,12 @@ optimizer state (stage 1), of the gradients too (stage 2), or of the parameters 
     mpirun -np 2 python examples/zero_digits.py --stage 3 --check   # exit 1 below 95%
 """
 import argparse
-import sys
-import time
 
 import torch
 
 import ringsync.torch as hvd
-from pytorch_digits import (REQUIRED_ACCURACY, DigitsNet, load_data, my_shard,
-                            steps_per_epoch, test_accuracy, train_epoch)
+from pytorch_digits import (REQUIRED_ACCURACY, DigitsNet, exit_unless_accurate, load_data,
+                            test_accuracy, train)
 
 
 def parse_args():
@@ -47,19 +45,9 @@ def main():
     args = parse_args()
     torch.set_num_threads(1)
     hvd.init()
-    local_batch = max(1, args.batch // hvd.size())
     x_train, y_train, x_test, y_test = load_data(args.seed)
-    x_mine, y_mine = my_shard(x_train, y_train)
     model, optimizer = sharded_model_and_optimizer(args.stage, args.lr)
-
-    steps = steps_per_epoch(len(x_train), local_batch)
-    generator = torch.Generator().manual_seed(args.seed * 1000 + hvd.rank())
-    start = time.perf_counter()
-    for epoch in range(args.epochs):
-        loss = train_epoch(model, optimizer, x_mine, y_mine, local_batch, steps, generator)
-        if hvd.rank() == 0 and ((epoch + 1) % 3 == 0 or epoch + 1 == args.epochs):
-            print(f"epoch {epoch + 1}: rank 0 train loss {loss:.4f}", flush=True)
-    train_seconds = time.perf_counter() - start
+    steps, train_seconds = train(model, optimizer, args, x_train, y_train)
     memory = optimizer.memory()
     accuracy = test_accuracy(model, x_test, y_test)
     is_root = hvd.rank() == 0
@@ -69,10 +57,7 @@ def main():
               f"{train_seconds:.1f} s; rank 0 holds {held}")
         print(f"test accuracy on {hvd.size()} ranks: {accuracy:.4f}", flush=True)
     hvd.shutdown()
-    if args.check and accuracy < REQUIRED_ACCURACY:
-        if is_root:
-            print(f"FAILED: accuracy {accuracy:.4f} < {REQUIRED_ACCURACY}", file=sys.stderr)
-        sys.exit(1)
+    exit_unless_accurate(accuracy, args.check, is_root)
 
 
 if __name__ == "__main__":
