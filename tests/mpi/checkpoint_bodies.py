@@ -202,9 +202,17 @@ def damaged_checkpoints(path):
         assert "model" in str(e) or "size" in str(e), str(e)
     else:
         raise AssertionError("a checkpoint of another model loaded")
-    assert checkpoint.save(path, model, opt, step=3) == 2
+    # An extra value that cannot be saved (rank 0 writes the extras): every rank raises,
+    # none waits for rank 0 until the timeout, and the next save works.
+    try:
+        checkpoint.save(path, model, opt, step=3, hook=lambda: None)
+    except checkpoint.CheckpointError as e:
+        assert "rank 0 could not write its part" in str(e), str(e)
+    else:
+        raise AssertionError("an unpicklable extra was saved")
+    assert checkpoint.save(path, model, opt, step=3) == 3
     assert checkpoint.load(path, *_build("stage1", seed=9))["step"] == 3
-    assert sorted(os.listdir(path)) == ["checkpoint.json", "gen-2"], os.listdir(path)
+    assert sorted(os.listdir(path)) == ["checkpoint.json", "gen-3"], os.listdir(path)
     hvd.shutdown()
 
 
