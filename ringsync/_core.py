@@ -15,11 +15,12 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ._arrays import as_input, as_output, describe, wrap_native_result
-from ._native import lib
+from ._native import ffi, lib
 from ._ring import NativeRing
 from ._grouped import GroupedCollectives
 from ._submit import Handle, PreparedAllreduce, Submitter, make_request
 from ._timeline import Timeline
+from .autotune import Autotuner, Settings
 from .config import Config
 from .errors import UsageError
 from .ops import ReduceOp, as_op
@@ -111,6 +112,37 @@ class Communicator(GroupedCollectives):
         self._timeline = Timeline(self)
         if self.config.timeline:
             self.start_timeline(self.config.timeline)
+        self._tunes = itertools.count()
+        self._autotuner = Autotuner(
+            self, self.config.autotune_warmup_samples, self.config.autotune_steps_per_sample,
+            self.config.autotune_max_samples, self.config.autotune_log) \
+            if self.config.autotune else None
+
+    # ---- settings ----
+
+    def engine_settings(self) -> Settings:
+        """The fusion threshold, cycle time and allreduce crossovers the engine runs with
+        now (the configured ones until tune() or autotune changed them)."""
+        values = np.zeros(lib.RS_TUNE_COUNT, np.int64)
+        lib.rs_engine_settings(self._ring.engine, ffi.cast("int64_t *", values.ctypes.data))
+        return Settings.from_native(values)
+
+    def tune(self, settings: Settings) -> None:
+        """Have every rank's engine run with these settings from the same point on (a
+        collective: every rank calls it, with the same settings, or every rank gets a
+        MismatchError naming both)."""
+        self.synchronize(self._submitter.submit_tune(
+            self, f"ringsync.tune.{next(self._tunes)}", settings.native()))
+
+    def autotune_step(self) -> None:
+        """Called by the framework adapters once per training step (every rank alike):
+        drives autotune where RINGSYNC_AUTOTUNE=1, else does nothing."""
+        if self._autotuner is not None:
+            self._autotuner.step()
+
+    @property
+    def autotuner(self) -> Optional[Autotuner]:
+        return self._autotuner
 
     # ---- lifetime and state ----
 
@@ -209,36 +241,49 @@ class Communicator(GroupedCollectives):
 
     # ---- allreduce ----
 
+    def _allreduce(self, src, out, op, prescale, postscale, name, what, blocking):
+        """A Handle; or, for a blocking call the same-host lane ran, the result itself."""
+        return self._submitter.submit_allreduce(
+            self, src, out, self._name(name, "allreduce"), as_op(op, what), float(prescale),
+            float(postscale), what, blocking)
+
     def allreduce_async(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
                         name=None, _blocking=False) -> Handle:
         """Start reducing x over all ranks into a new array; synchronize returns it."""
         src = as_input(x, "allreduce", name)
-        out = np.empty_like(src)
-        return self._allreduce(src, out, op, prescale_factor, postscale_factor, name, "allreduce",
-                               _blocking)
+        return self._as_handle(self._allreduce(
+            src, np.empty_like(src), op, prescale_factor, postscale_factor, name, "allreduce",
+            _blocking), "allreduce", name)
 
     def allreduce_async_(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
                          name=None, _blocking=False) -> Handle:
         """Start reducing x in place; synchronize returns x's array."""
         out = as_output(x, "allreduce_", name)
-        return self._allreduce(out, out, op, prescale_factor, postscale_factor, name, "allreduce_",
-                               _blocking)
+        return self._as_handle(self._allreduce(
+            out, out, op, prescale_factor, postscale_factor, name, "allreduce_", _blocking),
+            "allreduce_", name)
 
-    def _allreduce(self, src, out, op, prescale, postscale, name, what, blocking):
-        request = make_request(what, lib.RS_KIND_ALLREDUCE, self._name(name, "allreduce"), src,
-                                out, op=as_op(op, what), prescale=prescale, postscale=postscale,
-                                reduces=True, blocking=blocking)
-        return self._submit([request], lambda: out, what)
+    def _as_handle(self, result, what, name) -> Handle:
+        """A handle for what _allreduce returned (a result the lane computed: done)."""
+        if type(result) is Handle:
+            return result
+        return Handle(self, [], None, lambda: result, what, [name])
 
     def allreduce(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
                   name=None):
-        return self.synchronize(self.allreduce_async(x, op, prescale_factor, postscale_factor,
-                                                     name, _blocking=True))
+        src = as_input(x, "allreduce", name)
+        return self._wait_unless_done(self._allreduce(
+            src, np.empty_like(src), op, prescale_factor, postscale_factor, name, "allreduce",
+            True))
 
     def allreduce_(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
                    name=None):
-        return self.synchronize(self.allreduce_async_(x, op, prescale_factor, postscale_factor,
-                                                      name, _blocking=True))
+        out = as_output(x, "allreduce_", name)
+        return self._wait_unless_done(self._allreduce(
+            out, out, op, prescale_factor, postscale_factor, name, "allreduce_", True))
+
+    def _wait_unless_done(self, result):
+        return self.synchronize(result) if type(result) is Handle else result
 
     # ---- allgather ----
 

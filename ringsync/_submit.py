@@ -129,12 +129,46 @@ class PreparedAllreduce:
         return self.comm._submitter.submit_prepared(self.comm, self, address, keep)
 
 
+_FAST_CACHE_LIMIT = 4096  # entries per thread; past it the cache starts over
+
+
+class _AllreduceStructs(threading.local):
+    """A calling thread's native allreduce requests, built once per (dtype, shape, op,
+    scale factors, blocking) and reused with new buffers, and each name's C string: an
+    allreduce then costs two cffi calls instead of building a Request (a backward pass of
+    hundreds of small gradients, or a 4-byte allreduce, is dominated by that Python work).
+    Per thread: a struct carries the buffers of the call being submitted."""
+
+    def __init__(self):
+        self.structs, self.names = {}, {}
+
+    def struct(self, key, build):
+        found = self.structs.get(key)
+        if found is None:
+            if len(self.structs) >= _FAST_CACHE_LIMIT:
+                self.structs.clear()
+            found = self.structs[key] = build()
+        return found
+
+    def name(self, name: str):
+        """(the name as C string, a one-entry array of it, its bytes)."""
+        found = self.names.get(name)
+        if found is None:
+            if len(self.names) >= _FAST_CACHE_LIMIT:
+                self.names.clear()
+            data = name.encode()
+            c_name = ffi.new("char[]", data)
+            found = self.names[name] = (c_name, ffi.new("const char *[1]", [c_name]), data)
+        return found
+
+
 class Submitter:
     """Submits requests to a NativeRing's engine and waits for them."""
 
     def __init__(self, ring):
         self.ring = ring
         self._per_thread = threading.local()
+        self._allreduces = _AllreduceStructs()
         # (handle ids, buffers) of dropped pending handles. A deque: a handle may be dropped
         # (by the garbage collector, in any thread) while a sweep runs, and its append and
         # popleft are atomic.
@@ -161,6 +195,59 @@ class Submitter:
         if status != lib.RS_OK:
             self.raise_engine_error(status, what)
         return Handle(comm, list(ids), keep, finish, what, [r.name for r in requests])
+
+    def submit_allreduce(self, comm, src: np.ndarray, out: np.ndarray, name: str, op: int,
+                         prescale: float, postscale: float, what: str, blocking: bool):
+        """An allreduce of src into out (arrays already checked as input and output): a
+        Handle, or, for a blocking call that the same-host lane ran, out itself."""
+        if self.orphans:
+            self.release_finished_orphans()
+        lane = blocking and self.ring.lane and not self.ring.closed
+        struct = self._allreduces.struct(
+            (src.dtype, src.shape, op, prescale, postscale, blocking),
+            lambda: self._allreduce_struct(src, name, op, prescale, postscale, what,
+                                           blocking))
+        send = ffi.from_buffer(src)
+        recv = send if out is src else ffi.from_buffer(out)
+        struct.sendbuf, struct.recvbuf = send, recv
+        c_name, c_names, name_bytes = self._allreduces.name(name)
+        if lane:
+            ran = ffi.new("int *")
+            status = lib.rs_engine_try_lane(self.ring.engine, name_bytes, struct, ran)
+            if status != lib.RS_OK:
+                self.raise_engine_error(status, what, name, MismatchError)
+            if ran[0]:
+                return out
+        ids = ffi.new("int64_t[1]")
+        status = lib.rs_engine_submit(self.ring.engine, c_names, struct, 1, ids)
+        if status != lib.RS_OK:
+            self.raise_engine_error(status, what)
+        return Handle(comm, [ids[0]], (send, recv, c_name), lambda: out, what, [name])
+
+    def submit_tune(self, comm, name: str, values) -> Handle:
+        """A tune request (RS_KIND_TUNE): the settings travel as its shape."""
+        struct = ffi.new("rs_request_t *")
+        struct.kind, struct.start_now, struct.ndim = lib.RS_KIND_TUNE, 1, len(values)
+        struct.shape[0:len(values)] = values
+        c_name = ffi.new("char[]", name.encode())
+        ids = ffi.new("int64_t[1]")
+        status = lib.rs_engine_submit(self.ring.engine, ffi.new("const char *[1]", [c_name]),
+                                      struct, 1, ids)
+        if status != lib.RS_OK:
+            self.raise_engine_error(status, "tune", name)
+        return Handle(comm, [ids[0]], (struct, c_name), lambda: None, "tune", [name])
+
+    @staticmethod
+    def _allreduce_struct(src, name, op, prescale, postscale, what, blocking):
+        """The native request of an allreduce like src's (checked as make_request checks
+        every request); the buffers are filled in at each call."""
+        request = make_request(what, lib.RS_KIND_ALLREDUCE, name, src, src, op=op,
+                               prescale=prescale, postscale=postscale, reduces=True,
+                               blocking=blocking)
+        struct = ffi.new("rs_request_t *")
+        fill_struct(struct, request)
+        struct.sendbuf = struct.recvbuf = ffi.NULL  # (no pointer into the first caller's array)
+        return struct
 
     def _run_on_lane(self, request: Request, what: str) -> bool:
         """Post a blocking call on the same-host lane (no engine thread, no negotiation):

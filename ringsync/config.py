@@ -131,6 +131,31 @@ class Config:
         help="longest wait for more asynchronous tensors to fuse with; the wait ends early "
              "when submissions pause (100 µs) or a caller waits, so a lone synchronous "
              "call never pays it")
+    autotune: int = _setting(
+        0, "RINGSYNC_AUTOTUNE", maximum=1, agreed=True,
+        aliases=(Alias("HOROVOD_AUTOTUNE", _horovod_flag, "> 0: 1"),),
+        help="`1`: tune the fusion threshold, the cycle time and the allreduce crossovers "
+             "(`RINGSYNC_SMALL_ALLREDUCE_BYTES`, `RINGSYNC_STAGED_BYTES`) during the first "
+             "training steps, every rank applying the same choice; see "
+             "[Autotune](#autotune)")
+    autotune_log: Optional[str] = _setting(
+        None, "RINGSYNC_AUTOTUNE_LOG", unit="file path", default_text="(none)",
+        aliases=(Alias("HOROVOD_AUTOTUNE_LOG"),),
+        help="rank 0 writes each autotune sample (settings, step time) and the final choice "
+             "with its reason to this CSV file")
+    autotune_warmup_samples: int = _setting(
+        3, "RINGSYNC_AUTOTUNE_WARMUP_SAMPLES", unit="samples", agreed=True,
+        aliases=(Alias("HOROVOD_AUTOTUNE_WARMUP_SAMPLES"),),
+        help="autotune: samples measured and discarded before tuning starts")
+    autotune_steps_per_sample: int = _setting(
+        10, "RINGSYNC_AUTOTUNE_STEPS_PER_SAMPLE", unit="steps", positive=True, agreed=True,
+        aliases=(Alias("HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE"),),
+        help="autotune: training steps timed per sample")
+    autotune_max_samples: int = _setting(
+        20, "RINGSYNC_AUTOTUNE_MAX_SAMPLES", unit="samples", positive=True, agreed=True,
+        aliases=(Alias("HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES"),),
+        help="autotune: most samples measured after the warm-up (the search ends earlier "
+             "once every candidate was tried)")
     stall_check_seconds: float = _setting(
         60.0, "RINGSYNC_STALL_CHECK_SECONDS", unit="seconds", zero="never",
         aliases=(Alias("HOROVOD_STALL_CHECK_DISABLE", _horovod_disable, "`1`: 0 (never)"),

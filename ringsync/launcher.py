@@ -318,6 +318,11 @@ class RunOptions:
     hierarchical_allreduce: bool | None = None
     timeline_filename: str | None = None
     timeline_mark_cycles: bool | None = None
+    autotune: bool | None = None
+    autotune_log_file: str | None = None
+    autotune_warmup_samples: int | None = None
+    autotune_steps_per_sample: int | None = None
+    autotune_bayes_opt_max_samples: int | None = None
     no_stall_check: bool | None = None
     stall_check_warning_time_seconds: float | None = None
     stall_check_shutdown_time_seconds: float | None = None
@@ -464,6 +469,11 @@ HOROVODRUN_SETTINGS = {
     "hierarchical_allreduce": ("hierarchical_allreduce", lambda on: "on" if on else "off"),
     "timeline_filename": ("timeline", str),
     "timeline_mark_cycles": ("timeline_mark_cycles", lambda on: "1" if on else "0"),
+    "autotune": ("autotune", lambda on: "1" if on else "0"),
+    "autotune_log_file": ("autotune_log", str),
+    "autotune_warmup_samples": ("autotune_warmup_samples", str),
+    "autotune_steps_per_sample": ("autotune_steps_per_sample", str),
+    "autotune_bayes_opt_max_samples": ("autotune_max_samples", str),
     "stall_check_warning_time_seconds": ("stall_check_seconds", number_text),
     "stall_check_shutdown_time_seconds": ("timeout_seconds", number_text),
     "nics": ("iface", ",".join),
@@ -953,7 +963,8 @@ def _ignored(reason, nargs=None, metavar=None):
                 help="ignored: " + reason)
 
 
-_NO_AUTOTUNE = "ringsync has no autotuner; set --fusion-threshold-mb and --cycle-time-ms"
+_NO_AUTOTUNE = ("ringsync's autotune tries candidates one setting at a time; it has no "
+                "Gaussian process")
 _SWITCH = 0  # nargs of an ignored option without a value
 
 # (option strings, argparse keywords) for ``ringsync run``. The table also tells
@@ -1044,6 +1055,24 @@ RUN_OPTIONS = [
      _flag("timeline_mark_cycles", True, "mark each negotiation round in the timeline "
            "(RINGSYNC_TIMELINE_MARK_CYCLES=1)")),
     (("--no-timeline-mark-cycles",), _flag("timeline_mark_cycles", False, argparse.SUPPRESS)),
+    # autotune
+    (("--autotune",), _flag("autotune", True, "tune fusion, cycle time and allreduce "
+                            "crossovers during the first steps (RINGSYNC_AUTOTUNE=1)")),
+    (("--no-autotune",), _flag("autotune", False, argparse.SUPPRESS)),
+    (("--autotune-log-file",),
+     dict(dest="autotune_log_file", metavar="FILE",
+          help="rank 0 logs autotune's samples and choice as CSV (RINGSYNC_AUTOTUNE_LOG)")),
+    (("--autotune-warmup-samples",),
+     dict(dest="autotune_warmup_samples", type=_number(int), metavar="N",
+          help="samples discarded before tuning (RINGSYNC_AUTOTUNE_WARMUP_SAMPLES)")),
+    (("--autotune-steps-per-sample",),
+     dict(dest="autotune_steps_per_sample", type=_number(int, positive=True), metavar="N",
+          help="training steps per sample (RINGSYNC_AUTOTUNE_STEPS_PER_SAMPLE)")),
+    (("--autotune-bayes-opt-max-samples",),
+     dict(dest="autotune_bayes_opt_max_samples", type=_number(int, positive=True),
+          metavar="N", help="most samples after the warm-up (RINGSYNC_AUTOTUNE_MAX_SAMPLES; "
+                            "ringsync searches candidates one setting at a time, no "
+                            "Bayesian model)")),
     # stalls and logging
     (("--no-stall-check",),
      _flag("no_stall_check", True, "no stall reports (RINGSYNC_STALL_CHECK_SECONDS=0)")),
@@ -1078,10 +1107,7 @@ RUN_OPTIONS = [
     (("--disable-cache",),
      _ignored("horovodrun's cache of ssh and interface checks; ringsync run makes no such "
               "checks (to turn off the negotiation cache: --cache-capacity 0)", _SWITCH)),
-    (("--autotune", "--no-autotune"), _ignored(_NO_AUTOTUNE, _SWITCH)),
-    (("--autotune-log-file", "--autotune-warmup-samples", "--autotune-steps-per-sample",
-      "--autotune-bayes-opt-max-samples", "--autotune-gaussian-process-noise"),
-     _ignored(_NO_AUTOTUNE, metavar="VALUE")),
+    (("--autotune-gaussian-process-noise",), _ignored(_NO_AUTOTUNE, metavar="VALUE")),
     (("--hierarchical-allgather", "--no-hierarchical-allgather"),
      _ignored("ringsync's allgather has no hierarchical form", _SWITCH)),
     (("--mpi-threads-disable", "--no-mpi-threads-disable"),
@@ -1209,9 +1235,12 @@ CONFIG_KEYS = {
                     "shutdown_time_seconds": ("stall_check_shutdown_time_seconds",
                                               _number(float))},
     "logging": {"level": ("log_level", _log_level), "with_timestamp": None},
-    "autotune": {key: None for key in ("enabled", "log_file", "warmup_samples",
-                                       "steps_per_sample", "bayes_opt_max_samples",
-                                       "gaussian_process_noise")},
+    "autotune": {"enabled": ("autotune", bool), "log_file": ("autotune_log_file", str),
+                 "warmup_samples": ("autotune_warmup_samples", _number(int)),
+                 "steps_per_sample": ("autotune_steps_per_sample", _number(int, positive=True)),
+                 "bayes_opt_max_samples": ("autotune_bayes_opt_max_samples",
+                                           _number(int, positive=True)),
+                 "gaussian_process_noise": None},
     "library_options": {key: None for key in ("mpi_threads_disable", "num_nccl_streams",
                                               "thread_affinity", "gloo_timeout_seconds")},
 }

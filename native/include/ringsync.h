@@ -170,8 +170,20 @@ typedef enum {
      * unnamed recv on B from A; a named one matches the recv of the same name (an empty
      * name is unnamed). The receiver's dtype and shape must equal the sender's. */
     RS_KIND_SEND = 7,
-    RS_KIND_RECV = 8
+    RS_KIND_RECV = 8,
+    /* New engine settings, applied by every rank at the same point of the agreed order
+     * (autotune): shape[RS_TUNE_...] holds them, ndim = RS_TUNE_COUNT; no data. Ranks whose
+     * values differ fail it as any mismatch, naming both. */
+    RS_KIND_TUNE = 9
 } rs_kind_t;
+
+enum {
+    RS_TUNE_FUSION_THRESHOLD = 0, /* bytes; 0: no fusion */
+    RS_TUNE_CYCLE_TIME_US = 1,    /* microseconds */
+    RS_TUNE_STAGED_BYTES = 2,     /* same-host staged allreduce from this size */
+    RS_TUNE_SMALL_ALLREDUCE = 3,  /* one-round allreduce up to this size */
+    RS_TUNE_COUNT = 4
+};
 
 /* One tensor. Buffers stay the caller's and must live until the handle completes.
  * allreduce: sendbuf -> recvbuf (may be equal). broadcast: in place on recvbuf.
@@ -221,6 +233,9 @@ rs_status_t rs_engine_try_lane(rs_engine_t *engine, const char *name,
                                     const rs_request_t *request, int *ran);
 /* Whether rs_engine_try_lane can run anything (every rank on this host). */
 int rs_engine_has_lane(rs_engine_t *engine);
+/* The settings the engine runs with now, RS_TUNE_COUNT values in RS_TUNE_* order: the
+ * configured ones until a tune request (RS_KIND_TUNE) has run. Any thread. */
+void rs_engine_settings(rs_engine_t *engine, int64_t *out);
 /* 1 when the handle has completed (successfully or not), 0 while pending, -1 if unknown. */
 int rs_engine_poll(rs_engine_t *engine, int64_t handle);
 /* Wait up to timeout_seconds; *done says whether it completed. Returns its status. */

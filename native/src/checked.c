@@ -20,7 +20,21 @@ int rs_add_checked(int64_t a, int64_t b, int64_t *out) {
 }
 
 static int reduces(int kind) { return kind == RS_KIND_ALLREDUCE || kind == RS_KIND_REDUCESCATTER; }
-static int has_data(int kind) { return kind != RS_KIND_BARRIER && kind != RS_KIND_JOIN; }
+static int has_data(int kind) {
+    return kind != RS_KIND_BARRIER && kind != RS_KIND_JOIN && kind != RS_KIND_TUNE;
+}
+
+/* A tune request's shape is a list of settings, not dimensions: each bounded on its own. */
+static rs_status_t check_settings(const rs_meta_t *m, rs_error_t *why) {
+    if (m->ndim != RS_TUNE_COUNT)
+        return rs_error_set(why, RS_ERR_USAGE, "tune carries %d settings, not %d",
+                            (int)m->ndim, (int)RS_TUNE_COUNT);
+    for (int i = 0; i < RS_TUNE_COUNT; i++)
+        if (m->shape[i] < 0 || m->shape[i] > RS_MAX_BYTES)
+            return rs_error_set(why, RS_ERR_USAGE, "tune setting %d is %lld, not between 0 "
+                                "and %lld", i, (long long)m->shape[i], (long long)RS_MAX_BYTES);
+    return RS_OK;
+}
 
 static rs_status_t check_shape(const rs_meta_t *m, rs_error_t *why, int64_t *elements) {
     if (m->ndim < 0 || m->ndim > RS_MAX_DIMS)
@@ -43,8 +57,16 @@ rs_status_t rs_meta_check(const rs_meta_t *m, int size, rs_error_t *why, int64_t
                           int64_t *bytes) {
     const char *kind = rs_kind_name(m->kind);
     /* (a recv's metadata say "send": both ends of a message carry the same) */
-    if (m->kind < RS_KIND_ALLREDUCE || m->kind > RS_KIND_SEND)
+    if (m->kind < RS_KIND_ALLREDUCE || m->kind > RS_KIND_TUNE || m->kind == RS_KIND_RECV)
         return rs_error_set(why, RS_ERR_USAGE, "unknown collective kind %d", (int)m->kind);
+    if (m->kind == RS_KIND_TUNE) {
+        RS_CHECK(check_settings(m, why));
+        if (elements)
+            *elements = 0;
+        if (bytes)
+            *bytes = 0;
+        return RS_OK;
+    }
     if (has_data(m->kind) && !(reduces(m->kind) ? rs_dtype_valid(m->dtype)
                                                   : rs_dtype_movable(m->dtype)))
         return rs_error_set(why, RS_ERR_USAGE, "dtype %s is not supported by %s",

@@ -36,6 +36,10 @@ struct rs_engine {
     rs_map_t in_flight; /* names of this rank's unfinished requests */
     int stopping;
     int sleeping; /* the thread blocks on the self-pipe: a submission must write to it */
+    /* The thread gathers a burst (gather_more): it looks at the queue every idle gap by
+     * itself, so only a request someone waits for (start_now) must wake it. Waking it
+     * for every arrival cost a pipe write and a thread switch per tensor. */
+    int gathering;
     /* Once set, every pending and later request fails with it. Written once, by the
      * thread that fails the engine; its code is also read atomically, without mu, by a
      * caller waiting on the same-host lane. */
@@ -225,6 +229,13 @@ static int take_queue_locked(rs_engine_t *e, rs_work_t ***batch, int *n, int *ca
     return 0;
 }
 
+static int any_request_starts_now(const rs_request_t *requests, int n) {
+    for (int i = 0; i < n; i++)
+        if (requests[i].start_now)
+            return 1;
+    return 0;
+}
+
 static int any_starts_now(rs_work_t **batch, int n) {
     for (int i = 0; i < n; i++)
         if (batch[i]->start_now)
@@ -236,29 +247,29 @@ static int any_starts_now(rs_work_t **batch, int n) {
  * rest of the burst, at most cycle_time, so that they fuse. A waiting caller (start_now) or a
  * pause in the burst ends the wait at once. */
 static void gather_more(rs_engine_t *e, rs_work_t ***batch, int *n, int *cap) {
-    double deadline = rs_now() + e->config.cycle_time_ms * 1e-3;
+    double deadline = rs_now() + e->executor.cycle_time_ms * 1e-3;
+    int first = 1; /* the burst has only begun: wait one gap before calling it paused */
     for (;;) {
         pthread_mutex_lock(&e->mu);
         int before = *n;
         take_queue_locked(e, batch, n, cap);
         int go_now = any_starts_now(*batch, *n) || e->stopping;
         double left = deadline - rs_now();
-        e->sleeping = !go_now && left > 0 && *n == before;
+        int paused = *n == before && !first;
+        e->gathering = !go_now && !paused && left > 0;
         pthread_mutex_unlock(&e->mu);
-        if (go_now || left <= 0)
-            return;
-        if (*n > before)
-            continue; /* more arrived while we ran: look again before sleeping */
+        if (!e->gathering)
+            return; /* (read by this thread only after it wrote it: no race) */
+        first = 0;
         double wait = left < FUSION_IDLE_GAP_SECONDS ? left : FUSION_IDLE_GAP_SECONDS;
         struct timespec ts = {0, (long)(wait * 1e9)};
         struct pollfd p = {.fd = e->wake[0], .events = POLLIN};
         int woken = ppoll(&p, 1, &ts, NULL) > 0;
         pthread_mutex_lock(&e->mu);
-        e->sleeping = 0;
+        e->gathering = 0;
         pthread_mutex_unlock(&e->mu);
-        if (!woken)
-            return; /* the burst paused */
-        drain_wake_pipe(e);
+        if (woken)
+            drain_wake_pipe(e); /* someone waits, or stop: the next look returns */
     }
 }
 
@@ -267,7 +278,7 @@ static void gather_more(rs_engine_t *e, rs_work_t ***batch, int *n, int *cap) {
 static rs_work_t *stand_in_work(const rs_pending_t *p, int rank) {
     const rs_meta_t *m = &p->metas[rank];
     size_t bytes = rs_dtype_size(m->dtype);
-    for (int d = 0; d < m->ndim; d++)
+    for (int d = 0; m->kind != RS_KIND_TUNE && d < m->ndim; d++) /* (a tune's are settings) */
         bytes *= (size_t)m->shape[d];
     rs_work_t *w = calloc(1, sizeof *w);
     void *zeros = calloc(1, bytes ? bytes : 1);
@@ -445,7 +456,7 @@ static void *engine_main(void *arg) {
             peer_started = idle_wait(e, check_deadlines(e));
             continue;
         }
-        if (n > 0 && e->config.cycle_time_ms > 0)
+        if (n > 0 && e->executor.cycle_time_ms > 0)
             gather_more(e, &batch, &n, &cap);
         peer_started = 0;
         rs_timeline_cycle(&e->timeline, rs_now()); /* (locks: the timeline may start now) */
@@ -460,6 +471,19 @@ static void *engine_main(void *arg) {
 }
 
 /* ---- public API ---- */
+
+/* The configured settings, as rs_engine_settings reports them (before the thread runs). */
+static void record_settings(rs_executor_t *x) {
+    x->settings[RS_TUNE_FUSION_THRESHOLD] = x->fusion_threshold;
+    x->settings[RS_TUNE_CYCLE_TIME_US] = (int64_t)(x->cycle_time_ms * 1e3 + 0.5);
+    x->settings[RS_TUNE_STAGED_BYTES] = (int64_t)x->staged_min_bytes;
+    x->settings[RS_TUNE_SMALL_ALLREDUCE] = (int64_t)x->comm->small_allreduce_bytes;
+}
+
+void rs_engine_settings(rs_engine_t *e, int64_t *out) {
+    for (int i = 0; i < RS_TUNE_COUNT; i++)
+        out[i] = __atomic_load_n(&e->executor.settings[i], __ATOMIC_RELAXED);
+}
 
 static void engine_free(rs_engine_t *e) {
     if (e->wake[0] >= 0)
@@ -503,6 +527,7 @@ rs_status_t rs_engine_create(rs_comm_t *comm, const rs_engine_config_t *config,
     pthread_condattr_destroy(&attr);
     rs_timeline_init(&e->timeline, comm->rank);
     e->executor = (rs_executor_t){.comm = comm, .fusion_threshold = config->fusion_threshold_bytes,
+                                  .cycle_time_ms = config->cycle_time_ms,
                                   .timeline = &e->timeline};
     e->p2p_sent = calloc((size_t)comm->size, sizeof *e->p2p_sent);
     e->p2p_received = calloc((size_t)comm->size, sizeof *e->p2p_received);
@@ -519,6 +544,7 @@ rs_status_t rs_engine_create(rs_comm_t *comm, const rs_engine_config_t *config,
         e->executor.staged = rs_direct_create(comm, 1, comm->spin_seconds, 0, 0);
         e->executor.staged_min_bytes = (size_t)config->staged_min_bytes;
     }
+    record_settings(&e->executor);
     comm->wake_fd = e->wake[0];
     if (pthread_create(&e->thread, NULL, engine_main, e) != 0) {
         comm->wake_fd = -1;
@@ -537,7 +563,8 @@ rs_meta_t rs_request_meta(const rs_request_t *r) {
     int reduces = r->kind == RS_KIND_ALLREDUCE || r->kind == RS_KIND_REDUCESCATTER;
     rs_meta_t m = {0};
     m.kind = r->kind;
-    m.dtype = r->kind == RS_KIND_BARRIER || r->kind == RS_KIND_JOIN ? 0 : r->dtype;
+    m.dtype = r->kind == RS_KIND_BARRIER || r->kind == RS_KIND_JOIN || r->kind == RS_KIND_TUNE
+                  ? 0 : r->dtype;
     m.op = reduces ? r->op : 0; /* unused fields stay equal on every rank */
     m.root = r->kind == RS_KIND_BROADCAST ? r->root : 0;
     m.prescale = reduces ? r->prescale : 1.0;
@@ -791,7 +818,9 @@ rs_status_t rs_engine_submit(rs_engine_t *e, const char **names, const rs_reques
     RS_CHECK_GOTO(accept_all(e, use, requests, n, handles), st, out);
     count_messages(e, names, requests, n);
     queue_all(e, handles, n);
-    wake = e->sleeping;
+    wake = e->sleeping || (e->gathering && any_request_starts_now(requests, n));
+    if (wake) /* one wake-up per sleep: later submitters find the flags down */
+        e->sleeping = e->gathering = 0;
 out:
     pthread_mutex_unlock(&e->mu);
     for (int i = 0; made && i < n; i++)
@@ -822,8 +851,10 @@ rs_status_t rs_engine_wait(rs_engine_t *e, int64_t handle, double timeout_second
     rs_status_t st = RS_ERR_USAGE;
     if (w && !w->done && !w->start_now) {
         w->start_now = 1; /* someone waits: stop gathering more into its fusion */
-        if (e->sleeping)
+        if (e->sleeping || e->gathering) {
+            e->sleeping = e->gathering = 0;
             wake_thread(e);
+        }
     }
     if (w && e->direct && w->meta.kind == RS_KIND_JOIN) {
         /* A joined rank serves the same-host lane while it waits: it takes part in the

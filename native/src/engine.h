@@ -119,6 +119,10 @@ typedef struct {
     rs_timeline_t *timeline;
     rs_direct_t *staged;      /* same-host staged allreduce, or NULL */
     size_t staged_min_bytes;  /* allreduces at least this large use it */
+    double cycle_time_ms;     /* gather_more's longest wait */
+    /* What a tune request set last (RS_TUNE_*): written by the engine thread, read
+     * atomically by callers of rs_engine_settings. */
+    int64_t settings[RS_TUNE_COUNT];
 } rs_executor_t;
 
 /* Run the ready tensors in order, fusing neighbouring allreduces. Each rs_work_t gets its

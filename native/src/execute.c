@@ -15,6 +15,8 @@ static int64_t row_elements(const rs_meta_t *m) {
 }
 
 static int64_t elements(const rs_meta_t *m) {
+    if (m->kind == RS_KIND_TUNE)
+        return 0; /* its "shape" holds settings */
     return m->ndim == 0 ? 1 : m->shape[0] * row_elements(m);
 }
 
@@ -209,6 +211,20 @@ static rs_status_t run_reducescatter(rs_executor_t *x, rs_pending_t *p) {
     return st;
 }
 
+/* Every rank applies a tune request at the same place of the agreed order, so the
+ * tensors after it fuse and choose algorithms alike everywhere. The lane reads the
+ * one-round size on calling threads: an atomic store (a call that sees the old value
+ * on one rank and the new one on another goes to the engine, see agreed_flags). */
+static void apply_settings(rs_executor_t *x, const rs_meta_t *m) {
+    x->fusion_threshold = m->shape[RS_TUNE_FUSION_THRESHOLD];
+    x->cycle_time_ms = (double)m->shape[RS_TUNE_CYCLE_TIME_US] * 1e-3;
+    x->staged_min_bytes = (size_t)m->shape[RS_TUNE_STAGED_BYTES];
+    __atomic_store_n(&x->comm->small_allreduce_bytes, (size_t)m->shape[RS_TUNE_SMALL_ALLREDUCE],
+                     __ATOMIC_RELAXED);
+    for (int i = 0; i < RS_TUNE_COUNT; i++)
+        __atomic_store_n(&x->settings[i], m->shape[i], __ATOMIC_RELAXED);
+}
+
 static rs_status_t run_single(rs_executor_t *x, rs_pending_t *p) {
     const rs_meta_t *m = &p->metas[0];
     double start = rs_now();
@@ -226,6 +242,9 @@ static rs_status_t run_single(rs_executor_t *x, rs_pending_t *p) {
         return run_alltoall(x, p);
     case RS_KIND_REDUCESCATTER:
         return run_reducescatter(x, p);
+    case RS_KIND_TUNE:
+        apply_settings(x, m);
+        return RS_OK;
     default: /* barrier: negotiation already proved that every rank got here */
         return RS_OK;
     }

@@ -36,7 +36,8 @@ rs_status_t rs_engine_try_lane(rs_engine_t *e, const char *name, const rs_reques
                                int *ran) {
     rs_direct_t *lane = rs_engine_lane(e);
     *ran = 0;
-    if (!lane || r->kind == RS_KIND_JOIN || r->kind == RS_KIND_SEND || r->kind == RS_KIND_RECV)
+    if (!lane || r->kind == RS_KIND_JOIN || r->kind == RS_KIND_SEND || r->kind == RS_KIND_RECV ||
+        r->kind == RS_KIND_TUNE) /* (settings change on the engine thread, in agreed order) */
         return RS_OK;
     rs_status_t st = rs_engine_validate(e, name, r);
     if (st != RS_OK) {

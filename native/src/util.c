@@ -118,8 +118,8 @@ const char *rs_dtype_name(int dtype) {
 
 const char *rs_kind_name(int kind) {
     static const char *names[] = {"allreduce", "allgather", "broadcast", "reducescatter",
-                                  "alltoall", "barrier", "join", "send", "recv"};
-    return kind >= 0 && kind <= 8 ? names[kind] : "unknown";
+                                  "alltoall", "barrier", "join", "send", "recv", "tune"};
+    return kind >= 0 && kind < (int)(sizeof names / sizeof *names) ? names[kind] : "unknown";
 }
 
 const char *rs_op_name(int op) {

@@ -305,7 +305,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                               stacklevel=2)
             self.synchronize()
         self._synchronized = False
-        return self._optimizer.step(closure) if closure is not None else self._optimizer.step()
+        result = self._optimizer.step(closure) if closure is not None else self._optimizer.step()
+        mpi_ops._comm(self._process_set).autotune_step()  # (RINGSYNC_AUTOTUNE=1 only)
+        return result
 
     def zero_grad(self, set_to_none: bool = True):
         if self._pending:

@@ -388,6 +388,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._inner.step()
         if self._stage != 3:  # (stage 3: the next forward gathers them)
             self._allgather_parameters()
+        mpi_ops._comm(self._process_set).autotune_step()  # (RINGSYNC_AUTOTUNE=1 only)
         return loss
 
     def _allgather_parameters(self):

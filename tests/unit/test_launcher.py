@@ -261,6 +261,11 @@ def settings_given(command) -> dict:
       "--network-interface", "lo"], {"RINGSYNC_IFACE": "ib0,eth0,lo"}),
     (["--log-level", "DEBUG"], {"RINGSYNC_LOG_LEVEL": "debug"}),
     (["--start-timeout", "45"], {"RINGSYNC_START_TIMEOUT_SECONDS": "45"}),
+    (["--autotune", "--autotune-log-file", "tune.csv", "--autotune-warmup-samples", "5",
+      "--autotune-steps-per-sample", "20", "--autotune-bayes-opt-max-samples", "30"],
+     {"RINGSYNC_AUTOTUNE": "1", "RINGSYNC_AUTOTUNE_LOG": "tune.csv",
+      "RINGSYNC_AUTOTUNE_WARMUP_SAMPLES": "5", "RINGSYNC_AUTOTUNE_STEPS_PER_SAMPLE": "20",
+      "RINGSYNC_AUTOTUNE_MAX_SAMPLES": "30"}),
     (["--elastic", "-H", "a:2,b:2", "--host-discovery-script", "d.sh", "--slots-per-host", "4"],
      {"RINGSYNC_ELASTIC_SLOTS_PER_HOST": "4"}),
 ])
@@ -295,11 +300,11 @@ def test_bad_option_values_name_the_option(fake_mpi, capsys, argv, message):
 
 def test_options_without_meaning_here_are_reported_as_ignored(fake_mpi, capsys):
     command, err = dry_run_and_messages(
-        capsys, "-np", "2", "--autotune", "--autotune-warmup-samples", "5",
+        capsys, "-np", "2", "--autotune-gaussian-process-noise", "0.5",
         "--num-nccl-streams", "2", "--thread-affinity", "1", "--gloo-timeout-seconds", "60",
         "--disable-cache", "--blacklist-cooldown-range", "10", "100", "a.py")
     assert command[-2:] == [sys.executable, "a.py"]  # every value was the option's
-    for flag in ("--autotune", "--autotune-warmup-samples", "--num-nccl-streams",
+    for flag in ("--autotune-gaussian-process-noise", "--num-nccl-streams",
                  "--thread-affinity", "--gloo-timeout-seconds", "--disable-cache",
                  "--blacklist-cooldown-range"):
         assert f"ringsync run: ignored: {flag} (" in err, flag
@@ -364,7 +369,10 @@ params:
   hierarchical_allreduce: true
   hierarchical_allgather: true
 autotune:
-  enabled: false
+  enabled: true
+  log_file: tune.csv
+  warmup_samples: 2
+  gaussian_process_noise: 0.5
 timeline:
   filename: 'horovod # timeline.json'
   mark_cycles: yes
@@ -391,9 +399,11 @@ def test_config_file_sets_what_the_command_line_does_not(fake_mpi, capsys, tmp_p
                      "RINGSYNC_TIMELINE_MARK_CYCLES": "1",
                      "RINGSYNC_STALL_CHECK_SECONDS": "0",  # stall_check.enabled: false
                      "RINGSYNC_TIMEOUT_SECONDS": "240",
-                     "RINGSYNC_LOG_LEVEL": "info"}
+                     "RINGSYNC_LOG_LEVEL": "info",
+                     "RINGSYNC_AUTOTUNE": "1", "RINGSYNC_AUTOTUNE_LOG": "tune.csv",
+                     "RINGSYNC_AUTOTUNE_WARMUP_SAMPLES": "2"}
     assert "ignored: params.hierarchical_allgather in" in err
-    assert "ignored: autotune.enabled in" in err
+    assert "ignored: autotune.gaussian_process_noise in" in err
 
 
 @pytest.mark.parametrize("text, message", [

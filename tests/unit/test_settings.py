@@ -211,6 +211,7 @@ def test_a_bad_alias_value_names_the_horovod_variable():
 
 def test_doctor_names_the_horovod_variable_a_value_comes_from():
     lines = launcher.settings_report({"HOROVOD_CYCLE_TIME": "3.5", "HOROVOD_AUTOTUNE": "1",
+                                      "HOROVOD_HIERARCHICAL_ALLGATHER": "1",
                                       "HOROVOD_STALL_CHECK_DISABLE": "1"})
     by_name = {l.split("=")[0].split()[0]: l for l in lines}
     assert re.search(r"RINGSYNC_CYCLE_TIME_MS=3.5 +environment \(HOROVOD_CYCLE_TIME\)",
@@ -218,7 +219,10 @@ def test_doctor_names_the_horovod_variable_a_value_comes_from():
     assert re.search(r"RINGSYNC_STALL_CHECK_SECONDS=0 +environment "
                      r"\(HOROVOD_STALL_CHECK_DISABLE\) \(0: never\)",
                      by_name["RINGSYNC_STALL_CHECK_SECONDS"])
-    assert "a Horovod variable ringsync does not read" in by_name["HOROVOD_AUTOTUNE"]
+    assert re.search(r"RINGSYNC_AUTOTUNE=1 +environment \(HOROVOD_AUTOTUNE\)",
+                     by_name["RINGSYNC_AUTOTUNE"])
+    assert "a Horovod variable ringsync does not read" in \
+        by_name["HOROVOD_HIERARCHICAL_ALLGATHER"]
 
 
 def test_readme_names_each_settings_horovod_variable():

@@ -288,3 +288,85 @@ def _results_are_freed_once_dropped(comm):
 def test_results_are_freed_once_dropped(path):
     assert_ranks_ok(_results_are_freed_once_dropped, 2, timeout=TIMEOUT,
                     env={**BASE_ENV, **PATHS[path]})
+
+
+def _reused_requests(comm):
+    """Allreduces reuse their native request per (dtype, shape, op, scale factors) and only
+    swap the buffers (the fast path): results must stay right when shapes, dtypes, ops,
+    buffers and names change from call to call, in place or not, blocking or not."""
+    rank, size = comm.rank(), comm.size()
+    cases = [(np.float32, (7,), rs.Sum), (np.float64, (3, 5), rs.Average),
+             (np.int32, (1,), rs.Max), (np.float32, (7,), rs.Min), (np.int64, (0,), rs.Sum),
+             (np.float32, (7,), rs.Sum)]
+    for round_ in range(3):
+        for i, (dtype, shape, op) in enumerate(cases):
+            def make(r, i=i, dtype=dtype, shape=shape):
+                n = int(np.prod(shape))
+                return (np.arange(n).reshape(shape) * (r + 1) + 100 * r + i + round_
+                        ).astype(dtype)
+            inputs = [make(r) for r in range(size)]
+            want = {rs.Sum: sum(inputs), rs.Max: np.maximum.reduce(inputs),
+                    rs.Min: np.minimum.reduce(inputs),
+                    rs.Average: sum(x.astype(np.float64) for x in inputs) / size}[op]
+            name = f"reused.{i % 2}"  # names shared by different shapes and dtypes
+            mine = make(rank)
+            got = comm.allreduce(mine, op=op, name=name)
+            np.testing.assert_allclose(got, want.astype(dtype), rtol=1e-6, err_msg=name)
+            assert np.array_equal(mine, make(rank)), "the out-of-place call wrote its input"
+            buf = make(rank)
+            assert comm.allreduce_(buf, op=op, name=name) is buf
+            np.testing.assert_allclose(buf, want.astype(dtype), rtol=1e-6)
+            handles = [(comm.allreduce_async_(b, op=op, prescale_factor=2.0, name=f"{name}.{k}"), b)
+                       for k, b in enumerate([make(rank), make(rank)])]
+            for handle, b in handles:
+                assert comm.synchronize(handle) is b
+                scaled = want.astype(np.float64) * (2.0 if op in (rs.Sum, rs.Average) else 1.0)
+                if op in (rs.Max, rs.Min):
+                    scaled = np.maximum.reduce([x * 2 for x in inputs]) if op == rs.Max else \
+                        np.minimum.reduce([x * 2 for x in inputs])
+                np.testing.assert_allclose(b, scaled.astype(dtype), rtol=1e-6)
+    # A disagreement after both ranks' requests were cached still fails on every rank...
+    x = np.ones(4, np.float32 if rank == 0 else np.float64)
+    comm.allreduce(np.ones(4, np.float64), name="agree")
+    comm.allreduce(np.ones(4, np.float32), name="agree")
+    with pytest.raises(rs.MismatchError, match="dtype"):
+        comm.allreduce(x, name="disagree")
+    # ... and the next call works.
+    assert comm.allreduce(np.full(2, rank + 1.0), op=rs.Sum, name="after")[0] == \
+        size * (size + 1) / 2
+
+
+def _threads_share_a_communicator(comm):
+    """Two threads of each rank submit asynchronous allreduces at once through one
+    communicator: each thread's cached requests carry its own buffers."""
+    rank, size = comm.rank(), comm.size()
+    results = {}
+
+    def submit(thread):
+        bufs = [np.full(5 + k % 3, 1000.0 * thread + 10 * k + rank, np.float64)
+                for k in range(60)]
+        handles = [comm.allreduce_async_(b, op=rs.Sum, name=f"t{thread}.{k}")
+                   for k, b in enumerate(bufs)]
+        results[thread] = [comm.synchronize(h).copy() for h in handles]
+
+    threads = [threading.Thread(target=submit, args=(t,)) for t in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for thread in (0, 1):
+        for k, got in enumerate(results[thread]):
+            want = sum(1000.0 * thread + 10 * k + r for r in range(size))
+            assert np.all(got == want) and got.size == 5 + k % 3, (thread, k, got)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("path", ["shm", "tcp"])
+def test_reused_allreduce_requests(size, path):
+    assert_ranks_ok(_reused_requests, size, timeout=TIMEOUT, env={**BASE_ENV, **PATHS[path]})
+
+
+@pytest.mark.parametrize("path", ["shm", "tcp"])
+def test_threads_share_a_communicator(path):
+    assert_ranks_ok(_threads_share_a_communicator, 2, timeout=TIMEOUT,
+                    env={**BASE_ENV, **PATHS[path]})

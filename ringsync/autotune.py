@@ -1,0 +1,191 @@
+"""Autotune: pick the engine's settings by timing training steps with each candidate.
+
+With RINGSYNC_AUTOTUNE=1 (``ringsync run --autotune``, Horovod's HOROVOD_AUTOTUNE), the
+framework adapters call ``Communicator.autotune_step()`` once per training step. The
+tuner discards a few warm-up samples, times one sample (``steps_per_sample`` steps) with
+the settings in force, then tries the candidates of one setting at a time (fusion
+threshold, cycle time, the one-round and the staged allreduce crossovers), keeping a
+candidate only when its sample beat the best so far by more than NOISE; after the last
+candidate (or ``max_samples``) it applies the best settings found and stops.
+
+Every rank must choose the same settings at the same place (tensors fused differently on
+two ranks would not line up): a sample's time is the slowest rank's (one allreduce per
+sample), every rank runs the same search on those numbers, and the settings reach the
+engine as a tune request, negotiated like a tensor: the engine applies it at the same
+point of the agreed order on every rank, and fails it on every rank, naming both values,
+if two ranks' settings differ.
+
+Horovod searches with Bayesian optimisation over a Gaussian process; this search is one
+setting at a time over a short list, which needs no model and ends in a few samples.
+"""
+import csv
+import dataclasses
+import time
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from .ops import ReduceOp
+
+NEVER = 1 << 60  # a crossover nothing reaches: the native core's size limit (RS_MAX_BYTES)
+NOISE = 0.03  # a candidate must beat the best by 3 %: a tie keeps the settings in force
+
+# Candidates, in the order the search tries the settings. The fusion threshold and the
+# cycle time decide how many tensors go together; the crossovers, which algorithm runs.
+CANDIDATES = {
+    "fusion_threshold": [1 << 20, 4 << 20, 16 << 20, 64 << 20, 128 << 20],
+    "cycle_time_ms": [0.0, 0.5, 1.0, 2.5, 5.0],
+    "small_allreduce_bytes": [4 << 10, 16 << 10, 64 << 10, 256 << 10],
+    "staged_bytes": [256 << 10, 1 << 20, 4 << 20, NEVER],
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    fusion_threshold: int
+    cycle_time_ms: float
+    small_allreduce_bytes: int
+    staged_bytes: int
+
+    def native(self) -> List[int]:
+        """The values of a tune request, in the order of RS_TUNE_* (ringsync.h)."""
+        return [int(self.fusion_threshold), int(round(self.cycle_time_ms * 1000)),
+                int(self.staged_bytes), int(self.small_allreduce_bytes)]
+
+    @classmethod
+    def from_native(cls, values) -> "Settings":
+        fusion, cycle_us, staged, small = (int(v) for v in values)
+        return cls(fusion, cycle_us / 1000, small, staged)
+
+    def but(self, **changes) -> "Settings":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass
+class Sample:
+    settings: Settings
+    step_seconds: float  # the slowest rank's mean step time over the sample
+    phase: str  # "warmup", "baseline", or the setting being tried
+
+
+def search_plan(start: Settings, settings_to_tune) -> List[tuple]:
+    """(setting, candidate) pairs in the order they are tried after the baseline."""
+    return [(name, value) for name in settings_to_tune for value in CANDIDATES[name]
+            if value != getattr(start, name)]
+
+
+class Autotuner:
+    """One communicator's tuner; every rank of it must call step() once per step."""
+
+    def __init__(self, comm, warmup_samples: int = 3, steps_per_sample: int = 10,
+                 max_samples: int = 20, log_path: Optional[str] = None):
+        self.comm = comm
+        self.warmup_left = warmup_samples
+        self.steps_per_sample = steps_per_sample
+        self.max_samples = max_samples
+        self.log_path = log_path if comm.rank() == 0 else None
+        self.samples: List[Sample] = []
+        self.done = False
+        self.best: Optional[Sample] = None
+        self.trying: Optional[Settings] = None  # the settings the current sample runs with
+        self._plan: List[tuple] = []
+        self._phase = "baseline"  # the setting the current sample tries
+        self._steps = 0
+        self._started = None
+        self._log_rows: List[Dict] = []
+
+    # ---- driven by the training loop ----
+
+    def step(self) -> None:
+        if self.done:
+            return
+        now = time.perf_counter()
+        if self._started is None:  # the first step: the clock starts after it
+            self.trying = self.comm.engine_settings()
+            self._started = now
+            return
+        self._steps += 1
+        if self._steps < self.steps_per_sample:
+            return
+        mean = self._slowest_mean(now - self._started)
+        self._record(mean)
+        self._steps = 0
+        self._started = time.perf_counter()
+
+    def _slowest_mean(self, elapsed: float) -> float:
+        """The sample's mean step time on the slowest rank: every rank gets the same number
+        (so every rank's search goes the same way)."""
+        index = len(self.samples)
+        worst = self.comm.allreduce(np.array([elapsed], np.float64), op=ReduceOp.MAX,
+                                    name=f"ringsync.autotune.sample.{index}")
+        return float(worst[0]) / self.steps_per_sample
+
+    # ---- the search ----
+
+    def _record(self, mean: float) -> None:
+        if self.warmup_left > 0:
+            self.warmup_left -= 1
+            self._note(Sample(self.trying, mean, "warmup"))
+            return
+        if self.best is None:
+            self.best = self._note(Sample(self.trying, mean, "baseline"))
+            names = [n for n in CANDIDATES if self._applies(n)]
+            self._plan = search_plan(self.trying, names)
+        else:
+            sample = self._note(Sample(self.trying, mean, self._phase))
+            if sample.step_seconds < self.best.step_seconds * (1 - NOISE):
+                self.best = sample
+                # later candidates of other settings start from the better settings
+        tried = sum(1 for s in self.samples if s.phase != "warmup") - 1
+        self._plan = [(n, v) for n, v in self._plan if v != getattr(self.best.settings, n)]
+        if not self._plan or tried >= self.max_samples - 1:
+            self._finish()
+            return
+        self._phase, value = self._plan.pop(0)
+        self._apply(self.best.settings.but(**{self._phase: value}))
+
+    def _applies(self, name: str) -> bool:
+        """The staged crossover matters only where every rank shares this host."""
+        return name != "staged_bytes" or self.comm.uses_lane
+
+    def _apply(self, settings: Settings) -> None:
+        self.trying = settings
+        self.comm.tune(settings)
+
+    def _finish(self) -> None:
+        chosen = self.best
+        self._apply(chosen.settings)
+        self.done = True
+        baseline = next(s for s in self.samples if s.phase == "baseline")
+        why = ("fastest sample: %.3f ms a step against %.3f ms with the settings at the start"
+               % (chosen.step_seconds * 1e3, baseline.step_seconds * 1e3)
+               if chosen is not baseline else
+               "no candidate beat the settings at the start by more than %d %%" % (NOISE * 100))
+        self._log_row(chosen, "chosen", why)
+        self._write_log()
+
+    # ---- the log (rank 0) ----
+
+    def _note(self, sample: Sample) -> Sample:
+        self.samples.append(sample)
+        self._log_row(sample, sample.phase, "")
+        return sample
+
+    def _log_row(self, sample: Sample, phase: str, why: str) -> None:
+        if self.log_path:
+            self._log_rows.append({
+                "sample": len(self.samples), "phase": phase,
+                "fusion_threshold_bytes": sample.settings.fusion_threshold,
+                "cycle_time_ms": sample.settings.cycle_time_ms,
+                "small_allreduce_bytes": sample.settings.small_allreduce_bytes,
+                "staged_bytes": sample.settings.staged_bytes,
+                "step_ms": round(sample.step_seconds * 1e3, 4), "why": why})
+            self._write_log()
+
+    def _write_log(self) -> None:
+        if not self.log_path:
+            return
+        with open(self.log_path, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=list(self._log_rows[0]))
+            writer.writeheader()
+            writer.writerows(self._log_rows)
