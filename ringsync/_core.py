@@ -112,6 +112,7 @@ class Communicator(GroupedCollectives):
         self._timeline = Timeline(self)
         if self.config.timeline:
             self.start_timeline(self.config.timeline)
+        self._overlaps = self._ring.overlaps()
         self._tunes = itertools.count()
         self._autotuner = Autotuner(
             self, self.config.autotune_warmup_samples, self.config.autotune_steps_per_sample,
@@ -139,6 +140,12 @@ class Communicator(GroupedCollectives):
         drives autotune where RINGSYNC_AUTOTUNE=1, else does nothing."""
         if self._autotuner is not None:
             self._autotuner.step()
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether DistributedOptimizer reduces gradients during backward (RINGSYNC_OVERLAP;
+        the same on every rank)."""
+        return self._overlaps
 
     @property
     def autotuner(self) -> Optional[Autotuner]:

@@ -131,6 +131,14 @@ class Config:
         help="longest wait for more asynchronous tensors to fuse with; the wait ends early "
              "when submissions pause (100 µs) or a caller waits, so a lone synchronous "
              "call never pays it")
+    overlap: str = _setting(
+        "auto", "RINGSYNC_OVERLAP", choices=("auto", "on", "off"), agreed=True,
+        help="torch `DistributedOptimizer`: `on` starts each gradient's allreduce during "
+             "backward, as soon as it is ready (Horovod's and DDP's way); `off` reduces "
+             "every gradient at `step()`, one allreduce per dtype on the calling thread. "
+             "`auto`: `off` where every rank is on one host with fewer than two cores "
+             "per rank (the reduction could only take cores from backward), else `on`. "
+             "Read case-insensitively")
     autotune: int = _setting(
         0, "RINGSYNC_AUTOTUNE", maximum=1, agreed=True,
         aliases=(Alias("HOROVOD_AUTOTUNE", _horovod_flag, "> 0: 1"),),

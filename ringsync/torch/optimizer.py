@@ -23,6 +23,7 @@ from ._tensors import to_numpy
 from .compression import Compression
 
 _instances = InstanceNumbers()  # names of unnamed optimizers
+_AT_STEP = "reduced at step"  # a pending gradient that synchronize() reduces
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -53,6 +54,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._predivide = gradient_predivide_factor
         self._sparse_as_dense = sparse_as_dense
         self._names = self._parameter_names(named_parameters, _instances.next(process_set))
+        self._flat_name = f"{self._prefix}.gradients"  # (gradients reduced at step)
         self._group_of = _gradient_groups(list(self._names), num_groups, groups)
         self._pending = {}  # parameter -> (handle, wire tensor, compression context)
         self._ready_in_group = {}  # group -> its parameters whose gradients are ready
@@ -165,6 +167,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                                   self._process_set)
             self._pending[p] = (wait, None, "sparse")
             return
+        if self._defers(grad):
+            self._pending[p] = (None, grad, _AT_STEP)  # reduced by synchronize()
+            return
         handle = self._start_prepared(p)
         if handle is not None:
             self._pending[p] = (handle, p.grad, None)
@@ -173,6 +178,34 @@ class DistributedOptimizer(torch.optim.Optimizer):
             handle = mpi_ops.allreduce_async_(wire, op=self._op, name=self._names[p],
                                               process_set=self._process_set, **self._scale)
             self._pending[p] = (handle, wire, ctx)
+
+    def _defers(self, grad) -> bool:
+        """Whether this gradient waits for synchronize() (RINGSYNC_OVERLAP off): plain
+        dense CPU gradients, where nothing is to be compressed or grouped."""
+        return (self._compression is Compression.none and not self._group_of and
+                grad.device.type == "cpu" and grad.is_contiguous() and
+                not mpi_ops._comm(self._process_set).overlaps)
+
+    def _reduce_at_step(self, params):
+        """Every deferred gradient in one allreduce per dtype, in parameter order (the same
+        on every rank): copied into one buffer, reduced in place on the calling thread
+        (with every rank on one host: the lane, staged through shared memory, no engine
+        thread), copied back. Three passes over the gradients, the least a step can do."""
+        by_dtype = {}
+        for p in self._names:  # (parameter order, not the order gradients arrived in)
+            if p in params:
+                by_dtype.setdefault(p.grad.dtype, []).append(p)
+        comm = mpi_ops._comm(self._process_set)
+        for dtype, group in by_dtype.items():
+            flat = torch.cat([p.grad.reshape(-1) for p in group])
+            comm.allreduce_(to_numpy(flat, "DistributedOptimizer"), op=self._op,
+                            name=f"{self._flat_name}.{str(dtype).replace('torch.', '')}",
+                            **self._scale)
+            at = 0
+            for p in group:
+                n = p.grad.numel()
+                p.grad.copy_(flat[at:at + n].view_as(p.grad))
+                at += n
 
     def _dense_grad(self, p):
         """p.grad, made to exist (zeros for a parameter that took no part this step on
@@ -233,7 +266,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._start_reduction(p)
         pending, self._pending = self._pending, {}
         failure = None
+        deferred = {p for p, (_, _, ctx) in pending.items() if ctx is _AT_STEP}
+        if deferred:
+            try:
+                self._reduce_at_step(deferred)
+            except Exception as e:  # the others still complete before it is raised
+                failure = e
         for p, (handle, wire, ctx) in pending.items():
+            if ctx is _AT_STEP:
+                continue
             try:
                 result = handle() if ctx == "sparse" else \
                     (mpi_ops.synchronize(handle) if handle is not None else None)

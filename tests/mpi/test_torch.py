@@ -33,17 +33,24 @@ TRAINING = [("sgd", "float64", "1", "none"), ("sgd", "float64", "2", "none"),
             ("sgd", "float32", "2", "bf16")]
 
 
+# DistributedOptimizer reduces gradients during backward (overlap on) or all at step()
+# (off); each rank count runs one of them, whatever the machine's auto choice would be.
+OVERLAP = {1: "auto", 2: "off", 3: "on"}
+
+
 @pytest.mark.parametrize("np", [1, 2, 3])
 def test_torch(np):
     """Every body, one after another in one job (see tests/mpi/in_order.py); with several
     ranks, then DistributedOptimizer on 1/np of each batch against one process, for every
-    optimizer x dtype x backward_passes_per_step x compression in TRAINING; then, in the
-    same job (one torch import), horovod.torch's API as Horovod users call it
+    optimizer x dtype x backward_passes_per_step x compression in TRAINING (gradients
+    reduced at step() on 2 ranks, during backward on 3: OVERLAP); then, in the same job
+    (one torch import), horovod.torch's API as Horovod users call it
     (tests/mpi/test_horovod_torch.py BODIES)."""
     training = in_order.args_for(MODULE, ["training_matches_one_process"], TRAINING)[1:]
     args = in_order.chain((MODULE, *BODIES, *(training if np > 1 else ())),
                           in_order.args_for(HOROVOD_MODULE, HOROVOD_BODIES))
-    assert_mpi_ok(in_order.TARGET, np=np, timeout=500, env=ENV, args=args)
+    assert_mpi_ok(in_order.TARGET, np=np, timeout=500,
+                  env={**ENV, "RINGSYNC_OVERLAP": OVERLAP[np]}, args=args)
 
 
 def test_pytorch_examples_learn():
