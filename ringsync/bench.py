@@ -8,8 +8,11 @@ The driver starts one mpirun job per rank count; in each job every size is timed
 ringsync and MPI in turn on the same buffer, then (once gloo's process group exists, as it
 slows the others while it lives) for gloo, and the table shows time per call,
 bus bandwidth (size * 2(N-1)/N / time) and the ratios (their time / ringsync's time: above
-1 means ringsync is faster). --plot draws bus bandwidth against size (needs matplotlib).
-This is a benchmark, not a test: nothing here asserts on time.
+1 means ringsync is faster), and the memory bound: every rank copying the buffer once at
+the same time ("copy", what any allreduce must at least do), with ringsync's time over it.
+The end of the output checks the figures against the project's speed goals (met or not).
+--plot draws bus bandwidth against size (needs matplotlib). This is a benchmark, not a
+test: nothing here asserts on time.
 """
 import argparse
 import json
@@ -78,7 +81,10 @@ def worker(args):
         rs_time = _time_calls(lambda: rs.allreduce_(buf, op=rs.Sum), args.seconds, comm)
         mpi_time = _time_calls(lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM),
                                args.seconds, comm)
-        rows.append({"size": size, "ringsync": rs_time, "mpi": mpi_time, "gloo": None})
+        copy = np.empty_like(buf)
+        copy_time = _time_calls(lambda: np.copyto(copy, buf), args.seconds, comm)
+        rows.append({"size": size, "ringsync": rs_time, "mpi": mpi_time, "gloo": None,
+                     "copy": copy_time})
     engine = engine_figures(rs, comm, args.seconds)
     engine.update(waiting_cpu(rs, comm))
     # gloo last: its process group's threads stay for the rest of the job, and measurably
@@ -194,7 +200,8 @@ def print_table(result: dict) -> None:
     print(f"\n{n} ranks: allreduce of float32, sum, in place")
     header = (f"{'size':>9} | {'ringsync us':>11} {'GB/s':>6} | {'MPI us':>9} {'GB/s':>6} | "
               + (f"{'gloo us':>9} {'GB/s':>6} | " if has_gloo else "")
-              + f"{'MPI/ringsync':>12}" + (f" {'gloo/ringsync':>13}" if has_gloo else ""))
+              + f"{'MPI/ringsync':>12}" + (f" {'gloo/ringsync':>13}" if has_gloo else "")
+              + f" | {'copy us':>8} {'ringsync/copy':>13}")
     print(header)
     for row in result["rows"]:
         rs_t, mpi_t, size = row["ringsync"], row["mpi"], row["size"]
@@ -204,6 +211,7 @@ def print_table(result: dict) -> None:
             g = row["gloo"]
             line += f"{g * 1e6:9.1f} {size * factor / g / 1e9:6.2f} | "
         line += f"{mpi_t / rs_t:12.2f}" + (f" {row['gloo'] / rs_t:13.2f}" if has_gloo else "")
+        line += f" | {row['copy'] * 1e6:8.1f} {rs_t / row['copy']:13.1f}"
         print(line)
 
 
@@ -248,6 +256,45 @@ def print_engine(result: dict) -> None:
           f"{e['ringsync_wait_cpu'] * 100:.1f}% of a core (MPI: {e['mpi_wait_cpu'] * 100:.1f}%)")
 
 
+def goal_lines(results) -> list:
+    """The issue's goals, each with the figure that decides it (met or not)."""
+    lines = []
+    for result in results:
+        n, rows, e = result["np"], {r["size"]: r for r in result["rows"]}, result["engine"]
+        ratio = {size: r["mpi"] / r["ringsync"] for size, r in rows.items()}
+        if n == 2:
+            for size in (4 << 10,):
+                if size in rows:
+                    lines.append(_goal(f"2 ranks, {human(size)}: ringsync time <= 1.5x MPI's",
+                                       rows[size]["ringsync"] / rows[size]["mpi"], "<=", 1.5))
+            lines.append(_goal("2 ranks, 4 B: ringsync time <= 1.5x MPI's",
+                               e["latency"] / e["mpi_latency"], "<=", 1.5))
+            lines.append(_goal(f"2 ranks, {FUSED_TENSORS} x 4 KiB async <= 3x one fused call",
+                               e["fused"] / e["concatenated"], "<=", 3.0))
+            if 16 << 20 in rows:
+                lines.append(_goal("2 ranks, 16 MiB: MPI/ringsync >= 1.5", ratio[16 << 20],
+                                   ">=", 1.5))
+        large = [s for s in rows if s >= 256 << 10]
+        if large:
+            worst = min(large, key=lambda s: ratio[s])
+            lines.append(_goal(f"{n} ranks, every size from 256 KiB: MPI/ringsync >= 1.0 "
+                               f"(lowest at {human(worst)})", ratio[worst], ">=", 1.0))
+        lines.append(_goal(f"{n} ranks, a waiting rank's CPU < 5 % of a core",
+                           e["ringsync_wait_cpu"] * 100, "<", 5.0))
+        if rows[min(rows)].get("gloo") is not None:
+            small = [s for s in rows if s <= 16 << 20]
+            worst = min(small, key=lambda s: rows[s]["gloo"] / rows[s]["ringsync"])
+            lines.append(_goal(f"{n} ranks, gloo >= 5x slower up to 16 MiB (lowest at "
+                               f"{human(worst)})", rows[worst]["gloo"] / rows[worst]["ringsync"],
+                               ">=", 5.0))
+    return lines
+
+
+def _goal(what: str, value: float, relation: str, target: float) -> str:
+    met = {"<=": value <= target, ">=": value >= target, "<": value < target}[relation]
+    return f"  [{'met' if met else 'NOT met'}] {what}: {value:.2f}"
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m ringsync.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -268,6 +315,8 @@ def main(argv=None):
         results.append(run_job(np_, args))
         print_table(results[-1])
         print_engine(results[-1])
+    print("\nGoals (this run):")
+    print("\n".join(goal_lines(results)))
     if args.plot:
         plot(results, args.plot)
     return 0

@@ -14,3 +14,5 @@ def test_bench_reports_ringsync_mpi_gloo_and_waiting_cpu():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "gloo/ringsync" in out.stdout and "MPI/ringsync" in out.stdout, out.stdout
     assert "4 KiB |" in out.stdout and "% of a core (MPI:" in out.stdout, out.stdout
+    assert "ringsync/copy" in out.stdout and "Goals (this run):" in out.stdout, out.stdout
+    assert "] 2 ranks, 4 B: ringsync time <= 1.5x MPI's:" in out.stdout, out.stdout
