@@ -16,6 +16,9 @@ ringsync's overhead as a share of DDP's, and against the copy-and-reduce bound o
 step's gradient bytes, measured in the same run: every rank at once copies its gradients
 into a buffer, adds a buffer of the same size to it and copies the sum back (three
 memory-speed passes, what any data-parallel step must at least do on one host).
+A third compares ringsync with its default settings and after autotune chose its own
+(Communicator.start_autotune, as RINGSYNC_AUTOTUNE=1 does, with --tune-steps steps per
+sample), and shows the choice.
 """
 import argparse
 import copy
@@ -95,6 +98,10 @@ def parse_args():
     parser.add_argument("--batch", type=int, default=32, help="samples per rank per step")
     parser.add_argument("--rounds", type=int, default=2,
                         help="times each library runs per model (orders alternate)")
+    parser.add_argument("--tune-steps", type=int, default=5,
+                        help="autotune: steps per sample (the autotuned column)")
+    parser.add_argument("--tune-samples", type=int, default=20,
+                        help="autotune: most samples after one warm-up sample")
     parser.add_argument("--models", nargs="+", default=list(MODELS),
                         help=f"any of {', '.join(MODELS)} (space or comma separated)")
     args = parser.parse_args()
@@ -243,10 +250,28 @@ def benchmark_model(comm, name, index, args, lr=1e-3):
     _, step = single_step(name, initial_state, batch, lr)
     rates = {s: args.rounds * args.steps / t for s, t in seconds.items()}
     rates["single"] = args.steps / time_single(comm, step, args)
+    rates["autotuned"], rates["chosen"] = autotuned_rate(comm, name, initial_state, batch, lr,
+                                                         args)
     rates["bound"] = 1.0 / copy_and_reduce_seconds(comm, 4 * describe(name)[1])
     # every rank stepping alone at the same time: what sharing the host costs, no reduction
     rates["together"] = args.steps / time_together(comm, step, args)
     return rates
+
+
+def autotuned_rate(comm, name, initial_state, batch, lr, args):
+    """ringsync's steps/s once autotune (as RINGSYNC_AUTOTUNE=1 does it, with shorter
+    samples) has chosen its settings, and what it chose; the defaults are restored after."""
+    ring = hvd.mpi_ops._comm(hvd.global_process_set)
+    defaults = ring.engine_settings()
+    tuner = ring.start_autotune(warmup_samples=1, steps_per_sample=args.tune_steps,
+                                max_samples=args.tune_samples)
+    model, step = ringsync_step(name, initial_state, batch, lr)
+    while not tuner.done:
+        step()
+    chosen = ring.engine_settings()
+    rate = args.steps / time_together(comm, step, args)
+    ring.tune(defaults)
+    return rate, chosen
 
 
 def describe(name):
@@ -276,7 +301,7 @@ def print_table(comm, args, results):
     print(header)
     print("-" * len(header))
     for name, rates in results.items():
-        ms = {k: 1e3 / v for k, v in rates.items()}
+        ms = {k: 1e3 / v for k, v in rates.items() if k != "chosen"}
         ours, theirs = ms["ringsync"] - ms["single"], ms["DDP"] - ms["single"]
         print(f"{name:<11} {4 * describe(name)[1] / 1e6:>7.1f} {ms['single']:>12.2f} "
               f"{ms['together'] - ms['single']:>11.2f} {ours:>12.2f} {theirs:>8.2f} "
@@ -284,6 +309,17 @@ def print_table(comm, args, results):
     print("(+ms: a step's time beyond the single process's; no-comm: every rank stepping alone "
           "at once, no reduction;\n goals: ringsync/DDP +ms <= 0.33, +ms/bound <= 1.5)",
           flush=True)
+    print()
+    print(f"{'model':<11} {'default steps/s':>15} {'autotuned steps/s':>17} "
+          f"{'autotuned/default':>17}  chosen")
+    for name, rates in results.items():
+        c = rates["chosen"]
+        print(f"{name:<11} {rates['ringsync']:>15.1f} {rates['autotuned']:>17.1f} "
+              f"{rates['autotuned'] / rates['ringsync']:>17.2f}  overlap {'on' if c.overlap else 'off'}"
+              f", fusion {c.fusion_threshold >> 20} MiB, cycle {c.cycle_time_ms:g} ms, one-round "
+              f"<= {c.small_allreduce_bytes >> 10} KiB, staged >= "
+              f"{'never' if c.staged_bytes >= 1 << 60 else f'{c.staged_bytes >> 10} KiB'}")
+    print("(goal: autotuned >= default)", flush=True)
 
 
 def main():

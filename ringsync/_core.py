@@ -114,10 +114,10 @@ class Communicator(GroupedCollectives):
             self.start_timeline(self.config.timeline)
         self._overlaps = self._ring.overlaps()
         self._tunes = itertools.count()
-        self._autotuner = Autotuner(
-            self, self.config.autotune_warmup_samples, self.config.autotune_steps_per_sample,
-            self.config.autotune_max_samples, self.config.autotune_log) \
-            if self.config.autotune else None
+        self.overlap_matters = False  # set by an adapter's autotune_step (see autotune.py)
+        self._autotuner = None
+        if self.config.autotune:
+            self.start_autotune()
 
     # ---- settings ----
 
@@ -126,7 +126,7 @@ class Communicator(GroupedCollectives):
         now (the configured ones until tune() or autotune changed them)."""
         values = np.zeros(lib.RS_TUNE_COUNT, np.int64)
         lib.rs_engine_settings(self._ring.engine, ffi.cast("int64_t *", values.ctypes.data))
-        return Settings.from_native(values)
+        return Settings.from_native(values, self._overlaps)
 
     def tune(self, settings: Settings) -> None:
         """Have every rank's engine run with these settings from the same point on (a
@@ -134,12 +134,29 @@ class Communicator(GroupedCollectives):
         MismatchError naming both)."""
         self.synchronize(self._submitter.submit_tune(
             self, f"ringsync.tune.{next(self._tunes)}", settings.native()))
+        # (after the tune request, which every rank passed: the same step everywhere)
+        self._overlaps = bool(settings.overlap)
 
-    def autotune_step(self) -> None:
+    def autotune_step(self, overlap_matters: bool = False) -> None:
         """Called by the framework adapters once per training step (every rank alike):
-        drives autotune where RINGSYNC_AUTOTUNE=1, else does nothing."""
+        drives autotune where RINGSYNC_AUTOTUNE=1 (or after start_autotune()), else does
+        nothing. overlap_matters: the caller reduces during backward where `overlaps`."""
         if self._autotuner is not None:
+            self.overlap_matters = self.overlap_matters or overlap_matters
             self._autotuner.step()
+
+    def start_autotune(self, warmup_samples: Optional[int] = None,
+                       steps_per_sample: Optional[int] = None, max_samples: Optional[int] = None,
+                       log_path: Optional[str] = None) -> Autotuner:
+        """Start tuning from the next autotune_step() on, as RINGSYNC_AUTOTUNE=1 does from
+        init() (unset arguments: the RINGSYNC_AUTOTUNE_* settings). Every rank calls it at
+        the same step."""
+        c = self.config
+        self._autotuner = Autotuner(
+            self, c.autotune_warmup_samples if warmup_samples is None else warmup_samples,
+            steps_per_sample or c.autotune_steps_per_sample,
+            max_samples or c.autotune_max_samples, log_path or c.autotune_log)
+        return self._autotuner
 
     @property
     def overlaps(self) -> bool:

@@ -347,7 +347,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.synchronize()
         self._synchronized = False
         result = self._optimizer.step(closure) if closure is not None else self._optimizer.step()
-        mpi_ops._comm(self._process_set).autotune_step()  # (RINGSYNC_AUTOTUNE=1 only)
+        # (RINGSYNC_AUTOTUNE=1 only; this optimizer's reductions follow `overlaps`)
+        mpi_ops._comm(self._process_set).autotune_step(overlap_matters=not self._group_of)
         return result
 
     def zero_grad(self, set_to_none: bool = True):
