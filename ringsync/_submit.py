@@ -141,14 +141,13 @@ class _AllreduceStructs(threading.local):
 
     def __init__(self):
         self.structs, self.names = {}, {}
+        self.ran = ffi.new("int *")  # the lane's answer (this thread's calls only)
 
-    def struct(self, key, build):
-        found = self.structs.get(key)
-        if found is None:
-            if len(self.structs) >= _FAST_CACHE_LIMIT:
-                self.structs.clear()
-            found = self.structs[key] = build()
-        return found
+    def add_struct(self, key, struct):
+        if len(self.structs) >= _FAST_CACHE_LIMIT:
+            self.structs.clear()
+        self.structs[key] = struct
+        return struct
 
     def name(self, name: str):
         """(the name as C string, a one-entry array of it, its bytes)."""
@@ -202,17 +201,16 @@ class Submitter:
         Handle, or, for a blocking call that the same-host lane ran, out itself."""
         if self.orphans:
             self.release_finished_orphans()
-        lane = blocking and self.ring.lane and not self.ring.closed
-        struct = self._allreduces.struct(
-            (src.dtype, src.shape, op, prescale, postscale, blocking),
-            lambda: self._allreduce_struct(src, name, op, prescale, postscale, what,
-                                           blocking))
+        cache = self._allreduces
+        key = (src.dtype, src.shape, op, prescale, postscale, blocking)
+        struct = cache.structs.get(key) or cache.add_struct(key, self._allreduce_struct(
+            src, name, op, prescale, postscale, what, blocking))
         send = ffi.from_buffer(src)
         recv = send if out is src else ffi.from_buffer(out)
         struct.sendbuf, struct.recvbuf = send, recv
-        c_name, c_names, name_bytes = self._allreduces.name(name)
-        if lane:
-            ran = ffi.new("int *")
+        c_name, c_names, name_bytes = cache.name(name)
+        if blocking and self.ring.lane and not self.ring.closed:
+            ran = cache.ran
             status = lib.rs_engine_try_lane(self.ring.engine, name_bytes, struct, ran)
             if status != lib.RS_OK:
                 self.raise_engine_error(status, what, name, MismatchError)
