@@ -498,41 +498,101 @@ static rs_status_t stage(char *slot, const char *send, size_t lo, size_t n,
                                 : rs_scale_local(slot + lo * red->elem, n, red->dtype, red->prescale);
 }
 
-/* Every rank stages the slices that its peers reduce; rank r reduces slice r of every
- * rank's chunk into its output (its own data first, then the others in rank order: each
- * slice has one owner, so every rank ends with the owner's bits) and stages the result;
- * then every rank copies the other slices out of their owners' slots. Two
- * synchronisations per chunk; each byte crosses between ranks once each way. */
-static rs_status_t staged_chunk(rs_direct_t *d, const char *send, char *recv, size_t count,
-                                const reduction_t *red, const waiting_t *w) {
-    int size = d->comm->size, me = d->comm->rank;
-    uint64_t seq = ++d->seq;
-    char *slot = d->areas[me]->posts[seq & 1].data;
+/* One chunk of the staged allreduce: `count` elements at `send` and `recv`, posted as
+ * operation `seq` (slot seq & 1). Rank r owns slice r (rs_even_part of the chunk). */
+typedef struct {
+    const char *send;
+    char *recv;
+    size_t count;
+    uint64_t seq;
+} chunk_t;
+
+static char *my_slot(const rs_direct_t *d, uint64_t seq) {
+    return d->areas[d->comm->rank]->posts[seq & 1].data;
+}
+
+/* Step 1: copy the slices that the peers own into my slot, then post the chunk. */
+static rs_status_t stage_chunk(rs_direct_t *d, const chunk_t *c, const reduction_t *red) {
     size_t lo, n;
-    rs_even_part(count, size, me, &lo, &n);
-    RS_CHECK(stage(slot, send, 0, lo, red));
-    RS_CHECK(stage(slot, send, lo + n, count - lo - n, red));
-    publish(d, &d->areas[me]->posts[seq & 1].seq, seq);
-    char *out = recv + lo * red->elem;
-    if (out != send + lo * red->elem)
-        memcpy(out, send + lo * red->elem, n * red->elem);
+    rs_even_part(c->count, d->comm->size, d->comm->rank, &lo, &n);
+    RS_CHECK(stage(my_slot(d, c->seq), c->send, 0, lo, red));
+    RS_CHECK(stage(my_slot(d, c->seq), c->send, lo + n, c->count - lo - n, red));
+    d->seq = c->seq;
+    publish(d, &d->areas[d->comm->rank]->posts[c->seq & 1].seq, c->seq);
+    return RS_OK;
+}
+
+/* Step 2: reduce my slice of every rank's post into my output (my own data first, then
+ * the others in rank order: each slice has one owner, so every rank ends with the
+ * owner's bits), put the result in my slot and say so. */
+static rs_status_t reduce_my_slice(rs_direct_t *d, const chunk_t *c, const reduction_t *red,
+                                   const waiting_t *w) {
+    int me = d->comm->rank;
+    size_t lo, n;
+    rs_even_part(c->count, d->comm->size, me, &lo, &n);
+    char *out = c->recv + lo * red->elem;
+    if (out != c->send + lo * red->elem)
+        memcpy(out, c->send + lo * red->elem, n * red->elem);
     if (red->prescale != 1.0)
         RS_CHECK(rs_scale_local(out, n, red->dtype, red->prescale));
-    RS_CHECK(wait_for(d, all_posted, seq, w));
-    for (int r = 0; r < size; r++)
+    RS_CHECK(wait_for(d, all_posted, c->seq, w));
+    for (int r = 0; r < d->comm->size; r++)
         if (r != me)
-            red->reduce(out, d->areas[r]->posts[seq & 1].data + lo * red->elem, n);
+            red->reduce(out, d->areas[r]->posts[c->seq & 1].data + lo * red->elem, n);
     RS_CHECK(rs_finish_scale(d->comm, out, n, red->dtype, red->op, red->postscale));
-    memcpy(slot + lo * red->elem, out, n * red->elem);
-    publish(d, &d->areas[me]->posts[seq & 1].reduced, seq);
-    RS_CHECK(wait_for(d, all_reduced, seq, w));
-    for (int r = 0; r < size; r++) {
-        if (r == me)
+    memcpy(my_slot(d, c->seq) + lo * red->elem, out, n * red->elem);
+    publish(d, &d->areas[me]->posts[c->seq & 1].reduced, c->seq);
+    return RS_OK;
+}
+
+/* Step 3 (once every rank has reduced its slice): copy the other slices out of their
+ * owners' slots. */
+static void copy_reduced(rs_direct_t *d, const chunk_t *c, const reduction_t *red) {
+    for (int r = 0; r < d->comm->size; r++) {
+        if (r == d->comm->rank)
             continue;
-        rs_even_part(count, size, r, &lo, &n);
-        memcpy(recv + lo * red->elem, d->areas[r]->posts[seq & 1].data + lo * red->elem,
+        size_t lo, n;
+        rs_even_part(c->count, d->comm->size, r, &lo, &n);
+        memcpy(c->recv + lo * red->elem, d->areas[r]->posts[c->seq & 1].data + lo * red->elem,
                n * red->elem);
     }
+}
+
+static chunk_t nth_chunk(const void *sendbuf, void *recvbuf, size_t count, size_t per_chunk,
+                         const reduction_t *red, uint64_t first_seq, size_t k) {
+    size_t at = k * per_chunk;
+    chunk_t c = {(const char *)sendbuf + at * red->elem, (char *)recvbuf + at * red->elem,
+                 count - at < per_chunk ? count - at : per_chunk, first_seq + k};
+    return c;
+}
+
+/* Stage `next` (NULL: none) and wait until every rank has reduced its slice of `c`.
+ *
+ * Chunk k+1 is staged while chunk k finishes: right after my slice of chunk k is reduced,
+ * before waiting for the others' slices of it. Each byte crosses between ranks once each
+ * way; the waits per chunk stay two, but a rank's copy-out of chunk k now overlaps its
+ * peers' work on chunk k+1.
+ *
+ * Why staging chunk k+1 early overwrites nothing still read. It goes into my slot
+ * (k+1) & 1, last used by chunk k-1 (or, for k = 0, by an earlier operation, which every
+ * rank finished before posting chunk 0). Of chunk k-1 in that slot, peers read (a) the
+ * slices they own, to reduce them, and (b) my reduced slice, to copy it out. Before
+ * staging, I have waited for every rank's post of chunk k, which each makes after
+ * reducing chunk k-1: (a) is over. (b) may still run: a peer copies chunk k-1 out only
+ * after posting chunk k. But staging writes only the slices the peers own, never mine;
+ * this holds while chunk k+1 is cut into the same slices as chunk k-1, i.e. while it is
+ * a full chunk. The last, shorter chunk is cut differently, so it is staged only after
+ * every rank has reduced its slice of chunk k (which each does after copying out chunk
+ * k-1). My reduced slice of chunk k+1 goes into that slot once every rank has posted
+ * chunk k+1, after its copy-out of chunk k-1. The `seq` and `reduced` words follow the
+ * same order: nobody still waits for the values they replace. */
+static rs_status_t stage_next_and_wait(rs_direct_t *d, const chunk_t *c, const chunk_t *next,
+                                       int early, const reduction_t *red, const waiting_t *w) {
+    if (next && early)
+        RS_CHECK(stage_chunk(d, next, red));
+    RS_CHECK(wait_for(d, all_reduced, c->seq, w));
+    if (next && !early)
+        RS_CHECK(stage_chunk(d, next, red));
     return RS_OK;
 }
 
@@ -540,11 +600,20 @@ static rs_status_t staged_allreduce(rs_direct_t *d, const void *sendbuf, void *r
                                     size_t count, const rs_meta_t *meta, const waiting_t *w) {
     reduction_t red = {meta->dtype, meta->op, meta->prescale, meta->postscale,
                        rs_dtype_size(meta->dtype), rs_reduce_kernel(meta->dtype, meta->op)};
-    size_t chunk = STAGE_CHUNK_BYTES / red.elem;
-    for (size_t at = 0; at < count; at += chunk) {
-        size_t n = count - at < chunk ? count - at : chunk;
-        RS_CHECK(staged_chunk(d, (const char *)sendbuf + at * red.elem,
-                              (char *)recvbuf + at * red.elem, n, &red, w));
+    size_t per_chunk = STAGE_CHUNK_BYTES / red.elem;
+    size_t chunks = (count + per_chunk - 1) / per_chunk;
+    uint64_t first_seq = d->seq + 1;
+    for (size_t k = 0; k < chunks; k++) {
+        chunk_t c = nth_chunk(sendbuf, recvbuf, count, per_chunk, &red, first_seq, k);
+        if (k == 0)
+            RS_CHECK(stage_chunk(d, &c, &red));
+        RS_CHECK(reduce_my_slice(d, &c, &red, w));
+        chunk_t next = k + 1 < chunks
+                           ? nth_chunk(sendbuf, recvbuf, count, per_chunk, &red, first_seq, k + 1)
+                           : (chunk_t){0};
+        int early = k == 0 || next.count == per_chunk;
+        RS_CHECK(stage_next_and_wait(d, &c, next.count ? &next : NULL, early, &red, w));
+        copy_reduced(d, &c, &red);
     }
     return RS_OK;
 }

@@ -4,6 +4,7 @@ ranks, over each transport and same-host path — with ranks as threads of this 
 Also the thread rendezvous itself, and setups that differ by rank (host names, bad
 interfaces) which need no processes either. tests/mpi/test_collectives.py keeps what
 needs them: the MPI rendezvous and the module-level API."""
+import functools
 import threading
 import time
 
@@ -15,6 +16,7 @@ from ringsync import bootstrap
 from ringsync.rendezvous import Rendezvous, ThreadGroup
 
 from tests.mpi import bodies
+from tests.mpi.reference import REDUCIBLE, dtype_of, reduce_exact, scale
 from tests.thread_ranks import (PATHS, assert_ok, assert_ranks_ok, rank_config, run_ranks,
                                 run_threads)
 
@@ -126,6 +128,132 @@ def test_rings_of_one_process_are_independent():
     got = {tag: assert_ok(outcomes[tag], f"ring {tag}", 60) for tag in outcomes}
     assert [float(x[0]) for x in got[100]] == [201.0] * 2
     assert [float(x[0]) for x in got[1000]] == [3003.0] * 3
+
+
+# ------------------------------------------------------- the staged allreduce's chunks
+
+STAGE_CHUNK_BYTES = 256 << 10  # native/src/direct.c: the staged allreduce's chunk
+# dtype: (op, prescale, postscale) for each call
+STAGED_CASES = {
+    "float32": [("Sum", 1.0, 1.0), ("Average", 0.5, 3.0), ("Min", 1.0, 1.0),
+                ("Max", 1.0, 1.0), ("Product", 1.0, 1.0)],
+    "float64": [("Sum", 1.0, 1.0), ("Product", 1.0, 1.0)],
+    "float16": [("Sum", 1.0, 1.0), ("Average", 0.5, 3.0), ("Max", 1.0, 1.0)],
+    "bfloat16": [("Sum", 1.0, 1.0), ("Average", 0.5, 3.0)],
+    "int32": [("Sum", 1.0, 1.0), ("Average", 1.0, 1.0), ("Min", 1.0, 1.0),
+              ("Product", 1.0, 1.0)],
+    "uint8": [("Sum", 1.0, 1.0), ("Max", 1.0, 1.0)],
+    "int64": [("Sum", 2.0, 1.0)],
+}
+
+
+def _chunk_counts(itemsize):
+    """Element counts spanning 1, 2, 2, 3, 3 and 5 chunks, with a short or a full last
+    chunk; most are divisible by none of 2, 3 and 4."""
+    c = STAGE_CHUNK_BYTES // itemsize
+    return [c - 3, c + 1, 2 * c, 2 * c + 5, 3 * c, 4 * c + 7]
+
+
+@functools.lru_cache(maxsize=None)
+def _exact_input(rank, n, dtype, op):
+    """Values that differ by rank and position and whose sums and products are exact in
+    any order in every dtype (integers wrap alike in any order): integers from -30 to 30,
+    or for products powers of two from 1/4 to 4 with either sign (small integers for
+    integer dtypes). Read-only: thread-ranks share them."""
+    i = np.arange(n, dtype=np.int64)
+    if op != "Product":
+        values = (rank * 1000 + i * 7) % 61 - 30
+    elif dtype_of(dtype).kind in "iu":
+        values = (rank + i) % 7 - 3
+    else:
+        sign = np.where((i + rank) % 3 == 0, -1.0, 1.0)
+        values = sign * 2.0 ** ((rank + i * 3) % 5 - 2)
+    x = values.astype(dtype_of(dtype))
+    x.flags.writeable = False
+    return x
+
+
+def _exact_allreduce(inputs, op, prescale, postscale):
+    """The reduction in float64 (exact for _exact_input's values) or in the integer dtype,
+    then the core's own rounding: Average divides integers truncating, and scales floats
+    by postscale / ranks in one multiply, like the core."""
+    ranks, dt = len(inputs), inputs[0].dtype
+    with np.errstate(over="ignore"):
+        out = reduce_exact([scale(x, prescale) for x in inputs], op).astype(dt)
+    factor = postscale
+    if op == "Average" and dt.kind in "iu":
+        wide = out.astype(np.int64)
+        out = (np.sign(wide) * (np.abs(wide) // ranks)).astype(dt)
+    elif op == "Average":
+        factor = postscale / ranks
+    return scale(out, factor)
+
+
+def _assert_same_bits(got, expected, what):
+    assert got.dtype == expected.dtype and got.shape == expected.shape, what
+    bits = np.dtype(f"u{got.dtype.itemsize}")
+    bad = np.flatnonzero(got.view(bits) != expected.view(bits))
+    if bad.size:
+        i = bad[0]
+        raise AssertionError(f"{what}: {bad.size} of {got.size} elements differ; first at "
+                             f"{i}: got {got[i]!r}, expected {expected[i]!r}")
+
+
+def _staged_chunks_exact(comm):
+    """Every rank ends with the exact result at every chunk count, in place and not."""
+    me, size = comm.rank(), comm.size()
+    for dtype, calls in STAGED_CASES.items():
+        if dtype == "bfloat16" and "bfloat16" not in REDUCIBLE:
+            continue  # (needs ml_dtypes)
+        for n in _chunk_counts(dtype_of(dtype).itemsize):
+            for op, pre, post in calls:
+                inputs = [_exact_input(r, n, dtype, op) for r in range(size)]
+                what = f"staged {dtype} {op} x{pre} x{post} n={n} on {size} ranks"
+                expected = _exact_allreduce(inputs, op, pre, post)
+                got = comm.allreduce(inputs[me], op=getattr(rs, op), name=what,
+                                     prescale_factor=pre, postscale_factor=post)
+                _assert_same_bits(got, expected, what)
+            mine = inputs[me].copy()
+            comm.allreduce_(mine, op=getattr(rs, op), prescale_factor=pre,
+                            postscale_factor=post)
+            _assert_same_bits(mine, expected, "in-place " + what)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("path", ["shm", "staged"])
+def test_staged_allreduce_is_exact_at_every_chunk_count(path, size):
+    """On the lane ("shm": blocking allreduces above the one-round size) and in the
+    engine's executor ("staged"), large allreduces go through the staged allreduce, which
+    stages chunk k+1 while chunk k finishes."""
+    assert_ranks_ok(_staged_chunks_exact, size, timeout=TIMEOUT, env={**BASE_ENV, **PATHS[path]})
+
+
+def _staged_with_a_joined_rank(comm):
+    """Rank 0 runs out of data after 2 steps, the others after 4: its zeros stand in for
+    it in staged allreduces of 2, 3 and 5 chunks. After the join every rank is back."""
+    me, size = comm.rank(), comm.size()
+    c = STAGE_CHUNK_BYTES // 4
+    for step in range(2 if me == 0 else 4):
+        active = [r for r in range(size) if step < (2 if r == 0 else 4)]
+        for n in (c + 1, 2 * c + 5, 4 * c + 7):
+            inputs = [_exact_input(r, n, "float32", "Sum") for r in range(size)]
+            present = [x if r in active else np.zeros_like(x) for r, x in enumerate(inputs)]
+            for op, pre, post in (("Sum", 1.0, 1.0), ("Average", 0.5, 3.0)):
+                what = f"join.{step}.{n}.{op}"
+                got = comm.allreduce(inputs[me], op=getattr(rs, op), name=what,
+                                     prescale_factor=pre, postscale_factor=post)
+                _assert_same_bits(got, _exact_allreduce(present, op, pre, post), what)
+    assert comm.join() in range(size)
+    inputs = [_exact_input(r, 2 * c + 5, "float32", "Sum") for r in range(size)]
+    _assert_same_bits(comm.allreduce(inputs[me], op=rs.Sum, name="after.join"),
+                      _exact_allreduce(inputs, "Sum", 1.0, 1.0), "after the join")
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("path", ["shm", "staged"])
+def test_staged_allreduce_with_a_joined_rank(path, size):
+    assert_ranks_ok(_staged_with_a_joined_rank, size, timeout=TIMEOUT,
+                    env={**BASE_ENV, **PATHS[path]})
 
 
 # ------------------------------------------------------------------ the thread rendezvous
