@@ -97,7 +97,7 @@ static rs_status_t allreduce_among_ranks(rs_comm_t *comm, char *buf, size_t coun
     size_t bytes = count * elem; /* checked by the caller */
     int hierarchical = rs_hierarchical_chosen(comm, bytes);
     int forced = hierarchical && comm->hierarchical_mode == RS_HIERARCHICAL_ON;
-    if (!forced && bytes <= comm->small_allreduce_bytes)
+    if (!forced && bytes <= __atomic_load_n(&comm->small_allreduce_bytes, __ATOMIC_RELAXED))
         return direct_allreduce(comm, buf, bytes, count, fn);
     if (hierarchical)
         return rs_hierarchical_allreduce(comm, buf, count, elem, fn);

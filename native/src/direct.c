@@ -354,8 +354,10 @@ static int post_flags(const rs_direct_t *d, const rs_meta_t *meta, size_t bytes)
     /* Adasum is no sum of posts: only the engine's algorithm computes it */
     if (meta->kind != RS_KIND_ALLREDUCE || meta->op == RS_OP_ADASUM || bytes > d->max_bytes)
         return POST_USE_ENGINE;
-    size_t one_round = d->comm->small_allreduce_bytes < RS_DIRECT_MAX_BYTES
-                           ? d->comm->small_allreduce_bytes : RS_DIRECT_MAX_BYTES;
+    /* (atomic: autotune's tune request changes it on the engine thread; ranks that read
+     * different values post different flags, and agreed_flags sends the call to the engine) */
+    size_t small = __atomic_load_n(&d->comm->small_allreduce_bytes, __ATOMIC_RELAXED);
+    size_t one_round = small < RS_DIRECT_MAX_BYTES ? small : RS_DIRECT_MAX_BYTES;
     return bytes <= one_round ? POST_DATA : POST_STAGED;
 }
 

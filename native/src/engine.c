@@ -477,7 +477,8 @@ static void record_settings(rs_executor_t *x) {
     x->settings[RS_TUNE_FUSION_THRESHOLD] = x->fusion_threshold;
     x->settings[RS_TUNE_CYCLE_TIME_US] = (int64_t)(x->cycle_time_ms * 1e3 + 0.5);
     x->settings[RS_TUNE_STAGED_BYTES] = (int64_t)x->staged_min_bytes;
-    x->settings[RS_TUNE_SMALL_ALLREDUCE] = (int64_t)x->comm->small_allreduce_bytes;
+    x->settings[RS_TUNE_SMALL_ALLREDUCE] =
+        (int64_t)__atomic_load_n(&x->comm->small_allreduce_bytes, __ATOMIC_RELAXED);
 }
 
 void rs_engine_settings(rs_engine_t *e, int64_t *out) {

@@ -88,8 +88,9 @@ void rs_topology_free(rs_topology_t *t);
 
 /* Who touches what. Set up by the creating thread before an engine exists, then fixed:
  * rank, size, timeouts, job id and secret, host_names, topology, transport_mode,
- * spin_seconds, small_allreduce_bytes, small_gather_bytes, hierarchical_mode and
- * _min_bytes, count_traffic. The `traffic` counters are added to by whichever thread sends
+ * spin_seconds, small_gather_bytes, hierarchical_mode and _min_bytes, count_traffic.
+ * small_allreduce_bytes too, except that a tune request (autotune) changes it on the
+ * engine thread: stored and read atomically everywhere. The `traffic` counters are added to by whichever thread sends
  * (the engine thread; a lane caller never sends through the transport) and read by any
  * thread: atomically, by both. The connections (transport_state, shm rings, scratch)
  * belong to the engine thread, except for what the transport table says any thread may
