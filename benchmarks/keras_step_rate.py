@@ -10,6 +10,14 @@ convert a value (PerReplica...)"), with arrays and with datasets alike, and the 
 fails leaves its peers waiting in the strategy's collectives; so it is opt-in. Without it,
 ringsync is compared with one process training on the same per-rank batch. A benchmark,
 not a test.
+
+A second table puts the cost in milliseconds per step: the one-process step, ringsync's
+step, its overhead (the difference), their ratio, the no-communication step (every rank
+training alone at the same time: what sharing the host costs, no reduction), and the
+copy-and-reduce bound of the step's gradient bytes measured in the same run (every rank at
+once copies its gradients into one buffer and allreduces it with ringsync, as one buffer),
+with the overhead over that bound. Each setup is timed --rounds times, alternating, and its
+fastest round counts (timings on a shared host vary by 2x between rounds).
 """
 import argparse
 import json
@@ -32,6 +40,7 @@ def parse_args():
     p.add_argument("--batch", type=int, default=32, help="per rank")
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=3, help="timings per setup; the best counts")
     p.add_argument("--mwms", action="store_true", help="also try MultiWorkerMirroredStrategy")
     return p.parse_args()
 
@@ -50,32 +59,86 @@ def data(np, rows, width):
             rng.integers(0, 10, size=rows).astype("int64"))
 
 
-def timed_fit(model, x, y, batch, steps):
-    """Seconds per step of model.fit after a warm-up epoch (tracing). Datasets, not
-    arrays: Keras 3 feeds arrays to MultiWorkerMirroredStrategy as PerReplica values that
-    its train step cannot take."""
+def dataset(x, y, batch, steps):
+    """Datasets, not arrays: Keras 3 feeds arrays to MultiWorkerMirroredStrategy as
+    PerReplica values that its train step cannot take."""
     import tensorflow as tf
+    return tf.data.Dataset.from_tensor_slices((x[: batch * steps], y[: batch * steps])).batch(
+        batch)
 
-    def dataset(n):
-        return tf.data.Dataset.from_tensor_slices((x[: batch * n], y[: batch * n])).batch(batch)
 
-    model.fit(dataset(5), epochs=1, verbose=0)
+def warm_up(model, x, y, batch):
+    model.fit(dataset(x, y, batch, 5), epochs=1, verbose=0)  # (traces the train step)
+
+
+def timed_fit(model, x, y, batch, steps):
+    """Seconds per step of model.fit (warmed up)."""
+    data = dataset(x, y, batch, steps)
     start = time.perf_counter()
-    model.fit(dataset(steps), epochs=1, verbose=0)
+    model.fit(data, epochs=1, verbose=0)
     return (time.perf_counter() - start) / steps
 
 
-def single_process_time(comm, keras, loss, x, y, args):
-    """Rank 0 alone, the others asleep (an MPI barrier would spin and take a core)."""
-    result = None
-    if comm.rank == 0:
-        model = build_model(keras, args.width, args.layers)
-        model.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
-        result = timed_fit(model, x, y, args.batch, args.steps)
+def sleep_until_all_arrive(comm):
+    """An MPI barrier would spin and take a core from the rank that is timing alone."""
     request = comm.Ibarrier()
     while not request.Test():
-        time.sleep(0.01)
-    return comm.bcast(result, root=0)
+        time.sleep(0.005)
+
+
+def together(comm, fit):
+    """fit() on every rank at once; the slowest rank's seconds per step."""
+    from mpi4py import MPI
+    comm.Barrier()
+    return comm.allreduce(fit(), op=MPI.MAX)
+
+
+def alone(comm, fit):
+    """fit() on rank 0 alone, the others asleep."""
+    seconds = fit() if comm.rank == 0 else None
+    sleep_until_all_arrive(comm)
+    return comm.bcast(seconds, root=0)
+
+
+def copy_and_reduce_seconds(comm, shapes, repeat=20):
+    """The bound: every rank at once copies gradients of these shapes (float32) into one
+    buffer and allreduces it with ringsync (median of repeat)."""
+    import numpy as np
+    import ringsync
+    from mpi4py import MPI
+    grads = [np.random.default_rng(comm.rank).random(s, dtype=np.float32) for s in shapes]
+    flat = np.empty(sum(g.size for g in grads), np.float32)
+    times = []
+    for _ in range(repeat + 2):
+        comm.Barrier()
+        start = time.perf_counter()
+        np.concatenate([g.reshape(-1) for g in grads], out=flat)
+        ringsync.allreduce_(flat, name="bench.bound")
+        times.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
+    return sorted(times[2:])[repeat // 2]
+
+
+def print_tables(comm, args, ms, grad_bytes, mwms_line):
+    size = comm.size
+    print(f"model.fit, {size} ranks, {args.layers} x Dense({args.width}), batch {args.batch} "
+          f"per rank, {args.steps} steps, best of {args.rounds} rounds")
+    print(f"  ringsync DistributedOptimizer: {1e3 / ms['ringsync']:7.1f} steps/s")
+    print(f"  one process, same per-rank batch: {1e3 / ms['single']:7.1f} steps/s "
+          f"(ringsync step = {ms['ringsync'] / ms['single']:.2f} x)")
+    print(mwms_line)
+    print()
+    header = (f"{'grad MB':>7} {'1-process ms':>12} {'ringsync ms':>11} {'overhead ms':>11} "
+              f"{'ringsync/1-process':>18} {'no-comm ms':>10} {'bound ms':>8} "
+              f"{'overhead/bound':>14}")
+    print(header)
+    print("-" * len(header))
+    overhead = ms["ringsync"] - ms["single"]
+    print(f"{grad_bytes / 1e6:>7.1f} {ms['single']:>12.2f} {ms['ringsync']:>11.2f} "
+          f"{overhead:>11.2f} {ms['ringsync'] / ms['single']:>18.2f} {ms['together']:>10.2f} "
+          f"{ms['bound']:>8.2f} {overhead / ms['bound']:>14.2f}")
+    print("(overhead: ringsync's step minus the one-process step; no-comm: every rank training "
+          "alone at once;\n bound: copy the step's gradient bytes into one buffer and allreduce "
+          "it with ringsync, every rank at once; goal: ringsync/1-process <= 1.3)", flush=True)
 
 
 def main():
@@ -101,31 +164,39 @@ def main():
                 mwms_model = build_model(keras, args.width, args.layers)
                 mwms_model.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
             # MWMS shards a global batch of batch * size itself.
+            warm_up(mwms_model, x, y, args.batch * size)
             mwms, mwms_error = timed_fit(mwms_model, x, y, args.batch * size, args.steps), None
         except Exception as e:  # say why, and measure the rest
             mwms_error = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-    single = single_process_time(comm, keras, loss, x, y, args)
 
     import ringsync.tensorflow.keras as hvd
     hvd.init()
+    plain = build_model(keras, args.width, args.layers)
+    plain.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
     model = build_model(keras, args.width, args.layers)
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss=loss)
     mine = slice(rank, None, size)
-    ringsync_time = timed_fit(model, x[mine], y[mine], args.batch, args.steps)
-    times = comm.gather((mwms, ringsync_time), root=0)
+    xm, ym = x[mine], y[mine]
+    warm_up(plain, x, y, args.batch)
+    warm_up(model, xm, ym, args.batch)
+    seconds = {"single": [], "ringsync": [], "together": []}
+    for _ in range(args.rounds):
+        seconds["single"].append(alone(comm, lambda: timed_fit(plain, x, y, args.batch,
+                                                                  args.steps)))
+        seconds["ringsync"].append(together(comm, lambda: timed_fit(model, xm, ym, args.batch,
+                                                                       args.steps)))
+        seconds["together"].append(together(comm, lambda: timed_fit(plain, x, y, args.batch,
+                                                                       args.steps)))
+    ms = {k: 1e3 * min(v) for k, v in seconds.items()}
+    shapes = [tuple(v.shape) for v in model.trainable_variables]
+    grad_bytes = 4 * sum(int(np.prod(s)) for s in shapes)
+    ms["bound"] = 1e3 * copy_and_reduce_seconds(comm, shapes)
+    times = comm.gather(mwms, root=0)
     if rank == 0:
-        ours = max(t[1] for t in times)
-        print(f"model.fit, {size} ranks, {args.layers} x Dense({args.width}), batch {args.batch} "
-              f"per rank, {args.steps} steps")
-        print(f"  ringsync DistributedOptimizer: {1 / ours:7.1f} steps/s")
-        print(f"  one process, same per-rank batch: {1 / single:7.1f} steps/s "
-              f"(ringsync step = {ours / single:.2f} x)")
-        if mwms_error:
-            print(f"  MultiWorkerMirroredStrategy: {mwms_error}")
-        else:
-            mwms = max(t[0] for t in times)
-            print(f"  MultiWorkerMirroredStrategy: {1 / mwms:7.1f} steps/s")
-            print(f"  ratio ringsync/MWMS: {mwms / ours:.2f}")
+        mwms_line = f"  MultiWorkerMirroredStrategy: {mwms_error}" if mwms_error else \
+            (f"  MultiWorkerMirroredStrategy: {1 / max(times):7.1f} steps/s (ratio "
+             f"ringsync/MWMS: {max(times) * 1e3 / ms['ringsync']:.2f})")
+        print_tables(comm, args, ms, grad_bytes, mwms_line)
     hvd.shutdown()
 
 

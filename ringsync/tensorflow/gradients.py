@@ -11,6 +11,7 @@ from ringsync._adapters import groups_from_num_groups, near_equal_runs
 from ringsync.errors import UsageError
 
 from .compression import Compression
+from .fused import fused_allreduce
 from .mpi_ops import PS, _comm, grouped_allreduce
 
 
@@ -69,12 +70,19 @@ class GradientReducer:
             else:
                 shared.append(i)
         for number, run in enumerate(self._runs(shared, variables)):
-            reduced = grouped_allreduce([out[i] for i in run], compression=self.compression,
-                                        op=self.op, process_set=self.process_set,
-                                        name=f"{name}.{number}", **self._scale())
+            reduced = self._reduce_run([out[i] for i in run], f"{name}.{number}")
             for i, r in zip(run, reduced):
                 out[i] = r
         return out
+
+    def _reduce_run(self, grads, name):
+        """One group's gradients: fused into one buffer per dtype (see fused.py), but for
+        Adasum, whose coefficients belong to each tensor."""
+        if self.op == ReduceOp.ADASUM:
+            return grouped_allreduce(grads, compression=self.compression, op=self.op,
+                                     process_set=self.process_set, name=name, **self._scale())
+        return fused_allreduce(grads, name, self.op, process_set=self.process_set,
+                               compression=self.compression, **self._scale())
 
     def _scale(self):
         if self.op == ReduceOp.AVERAGE and self.predivide != 1.0:

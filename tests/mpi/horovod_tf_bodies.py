@@ -18,7 +18,9 @@ from .reference import reference_adasum  # noqa: E402
 
 # The adapter's own bodies, run in the same jobs (one TensorFlow import for all):
 from .tf_bodies import (broadcast_variables_and_objects,  # noqa: E402,F401
-                        collectives_eager_and_in_tf_function, tape_training_matches_one_process)
+                        collectives_eager_and_in_tf_function,
+                        fused_mismatch_fails_every_rank_then_works,
+                        gradients_fused_into_one_buffer, tape_training_matches_one_process)
 
 DTYPES = ["uint8", "int8", "uint16", "int16", "int32", "int64", "float16", "bfloat16",
           "float32", "float64"]

@@ -18,7 +18,8 @@ BODIES = ["collectives_eager_and_in_tf_function", "broadcast_variables_and_objec
           "tape_training_matches_one_process", "collectives_as_horovod_calls_them", "collectives_inside_tf_function",
           "gradients_by_horovods_rules", "errors_leave_the_next_call_working",
           "tape_and_optimizer_arguments", "process_sets_in_tensorflow",
-          "sync_batch_norm_uses_the_global_batch"]
+          "sync_batch_norm_uses_the_global_batch", "gradients_fused_into_one_buffer",
+          "fused_mismatch_fails_every_rank_then_works"]
 
 
 @pytest.mark.parametrize("np", [1, 3])

@@ -14,7 +14,7 @@ from ringsync.tensorflow import Average, allreduce, broadcast_variables, global_
 
 
 def _train_without_xla(model):
-    """XLA cannot compile the reduction (a tf.py_function into ringsync's core): rebuild the
+    """XLA cannot compile the reduction (a tf.numpy_function into ringsync's core): rebuild the
     train step without it, and say so, rather than let the first step fail."""
     if not getattr(model, "jit_compile", False):
         return
