@@ -306,6 +306,19 @@ class Communicator(GroupedCollectives):
         return self._wait_unless_done(self._allreduce(
             out, out, op, prescale_factor, postscale_factor, name, "allreduce_", True))
 
+    def allreduce_into(self, x, out, op=ReduceOp.AVERAGE, prescale_factor=1.0,
+                       postscale_factor=1.0, name=None):
+        """allreduce() into memory the caller gives (out: a writable C-contiguous array of
+        x's dtype and shape, not overlapping x); returns out. For adapters that hand the
+        result to a framework which adopts only memory it likes (aligned, say)."""
+        src = as_input(x, "allreduce", name)
+        out = as_output(out, "allreduce", name)
+        if out.dtype != src.dtype or out.shape != src.shape:
+            raise UsageError(f"ringsync.allreduce{describe(name)}: out is {out.dtype} "
+                             f"{out.shape}, the input {src.dtype} {src.shape}")
+        return self._wait_unless_done(self._allreduce(
+            src, out, op, prescale_factor, postscale_factor, name, "allreduce", True))
+
     def _wait_unless_done(self, result):
         return self.synchronize(result) if type(result) is Handle else result
 

@@ -127,8 +127,10 @@ def _buffers_reducer(process_set, name, layout, op, prescale, postscale, names):
         try:
             comm = _comm(process_set)  # (at run time: elastic recovery may replace it)
             _check_layout(comm, name, fingerprint, layout)
-            return [_reduced(comm, b, op, prescale, postscale, n)
-                    for b, n in zip(buffers, names)]
+            reduced = [_reduced(comm, b, op, prescale, postscale, n)
+                       for b, n in zip(buffers, names)]
+            comm.autotune_step()  # (RINGSYNC_AUTOTUNE=1 only: a reduction is a step)
+            return reduced
         except RingsyncError as error:
             raise _tensorflow_error(error) from error
 
@@ -155,10 +157,8 @@ def _check_layout(comm, name, fingerprint, layout):
 def _reduced(comm, buffer, op, prescale, postscale, name):
     """buffer reduced into new memory (buffer may be TensorFlow's: it is only read)."""
     out = _aligned_empty(buffer)
-    # Communicator._allreduce: the out-of-place allreduce into memory the caller gives
-    # (the public one allocates its own, which TensorFlow would copy, being unaligned).
-    return comm.synchronize(comm._allreduce(buffer, out, op, prescale, postscale, name,
-                                            "allreduce", True))
+    # (allreduce() allocates its own result, which TensorFlow would copy: unaligned)
+    return comm.allreduce_into(buffer, out, op, prescale, postscale, name)
 
 
 def _aligned_empty(like):
