@@ -55,6 +55,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._sparse_as_dense = sparse_as_dense
         self._names = self._parameter_names(named_parameters, _instances.next(process_set))
         self._flat_name = f"{self._prefix}.gradients"  # (gradients reduced at step)
+        self._flat = {}  # dtype -> the buffer its gradients are reduced in (at step)
         self._group_of = _gradient_groups(list(self._names), num_groups, groups)
         self._pending = {}  # parameter -> (handle, wire tensor, compression context)
         self._ready_in_group = {}  # group -> its parameters whose gradients are ready
@@ -190,14 +191,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Every deferred gradient in one allreduce per dtype, in parameter order (the same
         on every rank): copied into one buffer, reduced in place on the calling thread
         (with every rank on one host: the lane, staged through shared memory, no engine
-        thread), copied back. Three passes over the gradients, the least a step can do."""
+        thread), copied back."""
         by_dtype = {}
         for p in self._names:  # (parameter order, not the order gradients arrived in)
             if p in params:
                 by_dtype.setdefault(p.grad.dtype, []).append(p)
         comm = mpi_ops._comm(self._process_set)
         for dtype, group in by_dtype.items():
-            flat = torch.cat([p.grad.reshape(-1) for p in group])
+            flat = self._flat_buffer(dtype, sum(p.grad.numel() for p in group))
+            torch.cat([p.grad.reshape(-1) for p in group], out=flat)
             comm.allreduce_(to_numpy(flat, "DistributedOptimizer"), op=self._op,
                             name=f"{self._flat_name}.{str(dtype).replace('torch.', '')}",
                             **self._scale)
@@ -206,6 +208,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 n = p.grad.numel()
                 p.grad.copy_(flat[at:at + n].view_as(p.grad))
                 at += n
+
+    def _flat_buffer(self, dtype, numel):
+        """The buffer that dtype's gradients are reduced in, kept from step to step (a new
+        one each step costs its page faults, as much as a copy or more; p.grad never
+        points into it, so nothing the caller holds sees it change)."""
+        flat = self._flat.get(dtype)
+        if flat is None or flat.numel() != numel:
+            flat = self._flat[dtype] = torch.empty(numel, dtype=dtype)
+        return flat
 
     def _dense_grad(self, p):
         """p.grad, made to exist (zeros for a parameter that took no part this step on
