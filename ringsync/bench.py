@@ -6,9 +6,9 @@ installed, torch.distributed on gloo, measured in the same run.
 
 The driver starts one mpirun job per rank count; in each job every size is timed for
 ringsync and MPI in turn on the same buffer, then (once gloo's process group exists, as it
-slows the others while it lives) for gloo, and the table shows time per call,
-bus bandwidth (size * 2(N-1)/N / time) and the ratios (their time / ringsync's time: above
-1 means ringsync is faster), and the memory bound: every rank copying the buffer once at
+slows the others while it lives) for gloo, and the table shows time per call (the
+median of three timed runs), bus bandwidth (size * 2(N-1)/N / time) and the ratios
+(their time / ringsync's time: above 1 means ringsync is faster), and the memory bound: every rank copying the buffer once at
 the same time ("copy", what any allreduce must at least do), with ringsync's time over it.
 The end of the output checks the figures against the project's speed goals (met or not).
 --plot draws bus bandwidth against size (needs matplotlib). This is a benchmark, not a
@@ -46,20 +46,28 @@ def sizes_between(low: int, high: int):
         size *= 4
 
 
+TRIALS = 3  # each figure is the median of this many timed runs (a shared host is noisy)
+
+
 def _time_calls(call, seconds: float, comm) -> float:
-    """Seconds per call, the slowest rank's average; the iteration count is agreed by
-    all ranks (from rank 0's estimate) so that every rank runs the same number."""
+    """Seconds per call: the median over TRIALS runs of the slowest rank's average; the
+    iteration count is agreed by all ranks (from rank 0's estimate) so that every rank
+    runs the same number."""
     call()  # warm up (connections, page faults)
     start = time.perf_counter()
     call()
     estimate = time.perf_counter() - start
-    iterations = comm.bcast(max(3, min(10000, int(seconds / max(estimate, 1e-7)))), root=0)
-    comm.Barrier()
-    start = time.perf_counter()
-    for _ in range(iterations):
-        call()
-    elapsed = (time.perf_counter() - start) / iterations
-    return comm.allreduce(elapsed, op=_mpi().MAX)
+    iterations = comm.bcast(max(3, min(10000, int(seconds / TRIALS / max(estimate, 1e-7)))),
+                            root=0)
+    trials = []
+    for _ in range(TRIALS):
+        comm.Barrier()
+        start = time.perf_counter()
+        for _ in range(iterations):
+            call()
+        elapsed = (time.perf_counter() - start) / iterations
+        trials.append(comm.allreduce(elapsed, op=_mpi().MAX))
+    return sorted(trials)[TRIALS // 2]
 
 
 def _mpi():
