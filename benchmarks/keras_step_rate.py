@@ -17,7 +17,8 @@ training alone at the same time: what sharing the host costs, no reduction), and
 copy-and-reduce bound of the step's gradient bytes measured in the same run (every rank at
 once copies its gradients into one buffer and allreduces it with ringsync, as one buffer),
 with the overhead over that bound. Each setup is timed --rounds times, alternating, and its
-fastest round counts (timings on a shared host vary by 2x between rounds).
+fastest round counts (timings on a shared host vary by 2x between rounds). Each rank
+computes on one TensorFlow thread (--threads), as each rank of torch_step_rate.py does.
 """
 import argparse
 import json
@@ -42,6 +43,8 @@ def parse_args():
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3, help="timings per setup; the best counts")
     p.add_argument("--mwms", action="store_true", help="also try MultiWorkerMirroredStrategy")
+    p.add_argument("--threads", type=int, default=1,
+                   help="TensorFlow intra-op threads per rank (default 1: ranks share cores)")
     return p.parse_args()
 
 
@@ -154,6 +157,10 @@ def main():
     import numpy as np
     import tensorflow as tf
     import keras
+    # One compute thread per rank, as torch_step_rate.py does: the ranks share the host's
+    # cores (with TensorFlow's default pool, the one-process baseline would use every core
+    # while each rank of the job competes for them).
+    tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     x, y = data(np, args.batch * size * (args.steps + 5), args.width)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     mwms, mwms_error = None, "not tried (pass --mwms)"

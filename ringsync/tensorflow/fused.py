@@ -20,6 +20,7 @@ for the one traced before it), which is the same on every rank.
 Adasum (whose coefficients belong to each tensor) and tensors whose shapes are known only
 when the graph runs keep the per-tensor grouped allreduce; IndexedSlices are gathered, as
 allreduce does."""
+import sys
 import weakref
 import zlib
 
@@ -35,6 +36,8 @@ from .mpi_ops import PS, _allreduce_sparse, _comm, _grouped_allreduce, _tensorfl
 
 _ALIGN = 64  # TensorFlow adopts a returned array without a copy when it is this aligned
 _last_fused = weakref.WeakKeyDictionary()  # graph -> its latest fused op (see Order)
+_POOL = 3  # result arrays kept per buffer name for reuse (see _free_output)
+_outputs = {}  # buffer name -> result arrays TensorFlow may still hold
 
 
 def fused_allreduce(tensors, name, op, prescale_factor=1.0, postscale_factor=1.0,
@@ -155,10 +158,27 @@ def _check_layout(comm, name, fingerprint, layout):
 
 
 def _reduced(comm, buffer, op, prescale, postscale, name):
-    """buffer reduced into new memory (buffer may be TensorFlow's: it is only read)."""
-    out = _aligned_empty(buffer)
+    """buffer reduced into memory TensorFlow does not hold (buffer may be TensorFlow's: it
+    is only read)."""
+    out = _free_output(name, buffer)
     # (allreduce() allocates its own result, which TensorFlow would copy: unaligned)
     return comm.allreduce_into(buffer, out, op, prescale, postscale, name)
+
+
+def _free_output(name, like):
+    """An aligned array like `like` that nothing but this module refers to: one handed to
+    TensorFlow at an earlier step and released since (TensorFlow keeps a reference to
+    every array it adopts until its tensor is gone), or a new one. Reusing them spares a
+    fresh buffer's page faults at every step, which cost more than the reduction itself."""
+    pool = _outputs.setdefault(name, [])
+    for out in pool:
+        # references: the pool's, the loop's, getrefcount's argument
+        if sys.getrefcount(out) <= 3 and out.shape == like.shape and out.dtype == like.dtype:
+            return out
+    out = _aligned_empty(like)
+    pool.append(out)
+    del pool[:-_POOL]  # (older ones go with TensorFlow's last reference to them)
+    return out
 
 
 def _aligned_empty(like):
