@@ -111,7 +111,7 @@ class NativeRing:
         busy thread per rank, so spinning pays where each local rank has a core."""
         if self.config.lane_spin_us >= 0:
             return min(self.config.lane_spin_us, 1e6) * 1e-6
-        return 50e-6 if _cores_per_local_rank(self.topology.local_size) >= 1 else 0.0
+        return 500e-6 if _cores_per_local_rank(self.topology.local_size) >= 1 else 0.0
 
     def _open_listener(self):
         """(this rank's PeerInfo, an error or None). A rank listens only on the address it

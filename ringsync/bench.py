@@ -190,7 +190,11 @@ def run_job(np_: int, args) -> dict:
         worker_args = [sys.executable, "-m", "ringsync.bench", "--worker", out,
                        "--min-size", str(args.min_size), "--max-size", str(args.max_size),
                        "--seconds", str(args.seconds)]
-        options = launcher.RunOptions(np=np_, program=worker_args)
+        # Ranks bound to cores where each can have its own (as MPI benchmarks run): left
+        # to float, two ranks' spinning waits sometimes share a core, and both libraries'
+        # large-message times then swing by 2-3x from run to run.
+        binding = "--bind-to core" if np_ <= (os.cpu_count() or 1) else None
+        options = launcher.RunOptions(np=np_, program=worker_args, binding_args=binding)
         command = launcher.build_mpirun_command(options)
         subprocess.run(command, check=True)
         with open(out) as f:
