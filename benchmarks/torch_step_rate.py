@@ -16,9 +16,9 @@ ringsync's overhead as a share of DDP's, and against the copy-and-reduce bound o
 step's gradient bytes, measured in the same run: every rank at once copies its gradients
 into a buffer, adds a buffer of the same size to it and copies the sum back (three
 memory-speed passes, what any data-parallel step must at least do on one host).
-A third compares ringsync with its default settings and after autotune chose its own
+A third compares ringsync with its default settings and with the settings autotune chose
 (Communicator.start_autotune, as RINGSYNC_AUTOTUNE=1 does, with --tune-steps steps per
-sample), and shows the choice.
+sample), timed in alternation after the tuning, and shows the choice.
 """
 import argparse
 import copy
@@ -250,8 +250,8 @@ def benchmark_model(comm, name, index, args, lr=1e-3):
     _, step = single_step(name, initial_state, batch, lr)
     rates = {s: args.rounds * args.steps / t for s, t in seconds.items()}
     rates["single"] = args.steps / time_single(comm, step, args)
-    rates["autotuned"], rates["chosen"] = autotuned_rate(comm, name, initial_state, batch, lr,
-                                                         args)
+    rates["default"], rates["autotuned"], rates["chosen"] = autotuned_rate(
+        comm, name, initial_state, batch, lr, args)
     rates["bound"] = 1.0 / copy_and_reduce_seconds(comm, 4 * describe(name)[1])
     # every rank stepping alone at the same time: what sharing the host costs, no reduction
     rates["together"] = args.steps / time_together(comm, step, args)
@@ -259,8 +259,10 @@ def benchmark_model(comm, name, index, args, lr=1e-3):
 
 
 def autotuned_rate(comm, name, initial_state, batch, lr, args):
-    """ringsync's steps/s once autotune (as RINGSYNC_AUTOTUNE=1 does it, with shorter
-    samples) has chosen its settings, and what it chose; the defaults are restored after."""
+    """(steps/s with the defaults, steps/s with what autotune chose, the choice): autotune
+    runs first (as RINGSYNC_AUTOTUNE=1 does, with shorter samples); then the same model
+    is timed with the defaults and with the choice in alternation, args.rounds times each,
+    so that both figures come from the same stretch of the run."""
     ring = hvd.mpi_ops._comm(hvd.global_process_set)
     defaults = ring.engine_settings()
     tuner = ring.start_autotune(warmup_samples=1, steps_per_sample=args.tune_steps,
@@ -269,9 +271,14 @@ def autotuned_rate(comm, name, initial_state, batch, lr, args):
     while not tuner.done:
         step()
     chosen = ring.engine_settings()
-    rate = args.steps / time_together(comm, step, args)
+    seconds = {"default": 0.0, "chosen": 0.0}
+    for round_ in range(args.rounds):
+        for which in (["default", "chosen"] if round_ % 2 == 0 else ["chosen", "default"]):
+            ring.tune(defaults if which == "default" else chosen)
+            seconds[which] += time_together(comm, step, args)
     ring.tune(defaults)
-    return rate, chosen
+    steps = args.rounds * args.steps
+    return steps / seconds["default"], steps / seconds["chosen"], chosen
 
 
 def describe(name):
@@ -314,8 +321,8 @@ def print_table(comm, args, results):
           f"{'autotuned/default':>17}  chosen")
     for name, rates in results.items():
         c = rates["chosen"]
-        print(f"{name:<11} {rates['ringsync']:>15.1f} {rates['autotuned']:>17.1f} "
-              f"{rates['autotuned'] / rates['ringsync']:>17.2f}  overlap {'on' if c.overlap else 'off'}"
+        print(f"{name:<11} {rates['default']:>15.1f} {rates['autotuned']:>17.1f} "
+              f"{rates['autotuned'] / rates['default']:>17.2f}  overlap {'on' if c.overlap else 'off'}"
               f", fusion {c.fusion_threshold >> 20} MiB, cycle {c.cycle_time_ms:g} ms, one-round "
               f"<= {c.small_allreduce_bytes >> 10} KiB, staged >= "
               f"{'never' if c.staged_bytes >= 1 << 60 else f'{c.staged_bytes >> 10} KiB'}")
