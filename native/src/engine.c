@@ -256,10 +256,11 @@ static void gather_more(rs_engine_t *e, rs_work_t ***batch, int *n, int *cap) {
         int go_now = any_starts_now(*batch, *n) || e->stopping;
         double left = deadline - rs_now();
         int paused = *n == before && !first;
-        e->gathering = !go_now && !paused && left > 0;
+        int keep_gathering = !go_now && !paused && left > 0;
+        e->gathering = keep_gathering; /* (a caller that waits may clear it and wake us) */
         pthread_mutex_unlock(&e->mu);
-        if (!e->gathering)
-            return; /* (read by this thread only after it wrote it: no race) */
+        if (!keep_gathering)
+            return;
         first = 0;
         double wait = left < FUSION_IDLE_GAP_SECONDS ? left : FUSION_IDLE_GAP_SECONDS;
         struct timespec ts = {0, (long)(wait * 1e9)};
