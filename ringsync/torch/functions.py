@@ -41,10 +41,23 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None, process_set=gl
     """Make every rank's optimizer state (hyperparameters and buffers such as momentum)
     equal to root_rank's, including ranks whose state is not initialised yet. (`model`
     is accepted for Horovod's signature: the whole state_dict travels, so no step is
-    needed to create state first.)"""
+    needed to create state first.) As in Horovod, where this rank's optimizer has no state
+    yet, its trainable parameters are left with zero gradients."""
     if isinstance(optimizer, torch.optim.LBFGS):
         raise UsageError("broadcast_optimizer_state: cannot broadcast torch.optim.LBFGS state")
+    if not optimizer.state_dict()["state"]:
+        _zero_gradients(optimizer)
     state = broadcast_object(optimizer.state_dict(), root_rank, name="broadcast.optimizer_state",
                              process_set=process_set)
     if _rs._comm(process_set).world_rank() != root_rank:
         optimizer.load_state_dict(state)
+
+
+def _zero_gradients(optimizer):
+    """Horovod's broadcast_optimizer_state gives a fresh optimizer's trainable parameters
+    zero gradients (it steps on them to create the state): code written for it may go on
+    to use p.grad (broadcast it, clip it), so they are left the same here."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)

@@ -455,6 +455,18 @@ def _wants_grad(tensors) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
+def _check_tensors(tensors, what):
+    """A clear error for what is not a tensor (a parameter's grad that is still None,
+    say), before anything reads tensor attributes from it."""
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            where = f"tensors[{i}]" if len(tensors) > 1 else "tensor"
+            raise UsageError(f"ringsync.torch.{what}: {where} is {type(t).__name__}, not a "
+                             f"torch.Tensor" + (" (a gradient not computed yet?)"
+                                                if t is None else ""))
+    return tensors
+
+
 def _compressed(compression, tensors):
     pairs = [compression.compress(t) for t in tensors]
     return [t for t, _ in pairs], [c for _, c in pairs]
@@ -464,6 +476,7 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
               prescale_factor=1.0, postscale_factor=1.0, process_set=PS):
     """A new tensor: tensor reduced over the set's ranks (op=None: Average; average= is
     Horovod's deprecated spelling). Differentiable for Sum and Average."""
+    _check_tensors([tensor], "allreduce")
     op = resolve_op(average, op, "torch.allreduce")
     (wire,), (ctx,) = _compressed(compression, [tensor])
     if _wants_grad([wire]):
@@ -477,6 +490,7 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
                       prescale_factor=1.0, postscale_factor=1.0, process_set=PS):
     """A list of new tensors, reduced as one unit. Differentiable for Sum and Average."""
+    tensors = _check_tensors(list(tensors), "grouped_allreduce")
     op = resolve_op(average, op, "torch.grouped_allreduce")
     wires, ctxs = _compressed(compression, tensors)
     if _wants_grad(wires):
@@ -490,6 +504,7 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
 
 def allgather(tensor, name=None, process_set=PS):
     """Every rank's tensor concatenated along the first dimension. Differentiable."""
+    _check_tensors([tensor], "allgather")
     if _wants_grad([tensor]):
         return _Allgather.apply(tensor, name, process_set)
     return synchronize(allgather_async(tensor, name, process_set, _blocking=True))
@@ -497,6 +512,7 @@ def allgather(tensor, name=None, process_set=PS):
 
 def grouped_allgather(tensors, name=None, process_set=PS):
     """allgather of each tensor, as one unit. Differentiable."""
+    tensors = _check_tensors(list(tensors), "grouped_allgather")
     if _wants_grad(tensors):
         return list(_GroupedAllgather.apply(name, process_set, *tensors))
     return synchronize(grouped_allgather_async(tensors, name, process_set, _blocking=True))
@@ -504,6 +520,7 @@ def grouped_allgather(tensors, name=None, process_set=PS):
 
 def broadcast(tensor, root_rank, name=None, process_set=PS):
     """A new tensor with root_rank's values. Differentiable."""
+    _check_tensors([tensor], "broadcast")
     if _wants_grad([tensor]):
         return _Broadcast.apply(tensor, root_rank, name, process_set)
     return synchronize(broadcast_async(tensor, root_rank, name, process_set, _blocking=True))
@@ -512,6 +529,7 @@ def broadcast(tensor, root_rank, name=None, process_set=PS):
 def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=PS,
                   prescale_factor=1.0, postscale_factor=1.0):
     """This rank's rows of tensor reduced over the set (Sum or Average). Differentiable."""
+    _check_tensors([tensor], "reducescatter")
     (wire,), (ctx,) = _compressed(compression, [tensor])
     if _wants_grad([wire]):
         out = _Reducescatter.apply(wire, op, prescale_factor, postscale_factor, name,
@@ -525,6 +543,7 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
                           process_set=PS, prescale_factor=1.0, postscale_factor=1.0):
     """reducescatter of each tensor, as one unit. Differentiable."""
+    tensors = _check_tensors(list(tensors), "grouped_reducescatter")
     wires, ctxs = _compressed(compression, tensors)
     if _wants_grad(wires):
         outs = _GroupedReducescatter.apply(op, prescale_factor, postscale_factor, name,
@@ -539,6 +558,7 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
 def alltoall(tensor, splits=None, name=None, process_set=PS):
     """splits[i] rows of tensor go to rank i of the set; returns the rows received, in rank
     order, and (when splits is given) how many came from each rank. Differentiable."""
+    _check_tensors([tensor], "alltoall")
     if _wants_grad([tensor]):
         out, received = _Alltoall.apply(tensor, splits, name, process_set)
     else:

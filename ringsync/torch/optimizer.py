@@ -13,7 +13,7 @@ import warnings
 import torch
 
 from ringsync import Average, ReduceOp
-from ringsync.process_sets import global_process_set
+from ringsync.process_sets import ProcessSet, global_process_set
 from ringsync._adapters import InstanceNumbers, groups_from_num_groups, near_equal_runs
 from ringsync._core import prepare_allreduce_
 from ringsync.errors import UsageError
@@ -71,8 +71,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # Adasum combines the ranks' *updates* (how each rank's own optimizer would move
         # the weights), not their gradients: step() computes them (see _adasum_step).
         self._adasum = ReduceOp(op) == ReduceOp.ADASUM
+        # Horovod's rule for a rank outside process_set: its gradients stay its own
+        # (unreduced), and step() is the wrapped optimizer's.
+        self._local = outside(process_set)
         self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_ready)
-                       for p in self._names if p.requires_grad]
+                       for p in self._names if p.requires_grad and not self._local]
 
     def set_backward_passes_per_step(self, passes: int):
         """Reduce every `passes` backward passes from now on (gradients accumulate locally
@@ -112,7 +115,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if p not in self._names:
                 self._names[p] = f"{self._prefix}.{base + i}"
                 self._passes[p] = 0
-                if p.requires_grad:
+                if p.requires_grad and not self._local:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._gradient_ready))
 
     def __repr__(self):
@@ -125,7 +128,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._prefix = f"grad.opt{instance}"
         if named_parameters is None:
             return {p: f"{self._prefix}.{i}" for i, p in enumerate(params)}
-        named = list(named_parameters)
+        named = _name_pairs(named_parameters)
         names = [n for n, _ in named]
         if len(set(names)) != len(names):
             dupes = sorted({n for n in names if names.count(n) > 1})
@@ -266,7 +269,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Wait until every parameter's gradient holds its reduction over all ranks.
         Parameters whose gradient did not arrive this step (on this rank) are reduced too,
         as zeros, so that every rank reduces the same tensors. (With op=Adasum, step()
-        does the reducing: nothing to do here.)"""
+        does the reducing: nothing to do here. On a rank outside process_set, nothing
+        either: its gradients stay as they are.)"""
+        if self._local:
+            self._synchronized = True
+            return
         if self._adasum:
             return
         for group in dict.fromkeys(self._group_of.values()):  # (in parameter order)
@@ -348,6 +355,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return loss
 
     def step(self, closure=None):
+        if self._local:
+            self._synchronized = False
+            return self._optimizer.step(closure) if closure is not None else \
+                self._optimizer.step()
         if self._adasum:
             return self._adasum_step(closure)
         if self._should_synchronize:
@@ -368,6 +379,43 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"optimizer.zero_grad() was called while {len(self._pending)} gradient "
                 "reductions are pending; call step() or synchronize() first")
         self._optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def outside(process_set) -> bool:
+    """Whether this rank is outside process_set (a ProcessSet; a Communicator is always
+    this rank's own)."""
+    return isinstance(process_set, ProcessSet) and process_set.included() is False
+
+
+def _name_pairs(named_parameters):
+    """Horovod's rule: any iterable of (name, parameter) tuples, such as what
+    model.named_parameters() returns; anything else is refused as Horovod refuses it (a
+    TypeError for what cannot be iterated, a ValueError for items that are not such
+    tuples), saying what was given."""
+    if callable(named_parameters) and not hasattr(named_parameters, "__iter__"):
+        raise TypeError(f"named_parameters should be an iterable of (name, parameter) tuples, "
+                        f"got the callable {getattr(named_parameters, '__qualname__', '?')}: "
+                        f"call it (model.named_parameters())")
+    try:
+        named = list(named_parameters)
+    except TypeError:
+        raise TypeError(f"named_parameters should be an iterable of (name, parameter) tuples "
+                        f"(model.named_parameters()), got {type(named_parameters).__name__}") \
+            from None
+    for item in named:
+        if not (isinstance(item, tuple) and len(item) == 2 and
+                isinstance(item[1], torch.Tensor)):
+            hint = " (for a dict, pass its .items())" if isinstance(named_parameters, dict) \
+                else ""
+            raise UsageError(f"named_parameters should be a sequence of (name, parameter) "
+                             f"tuples, usually model.named_parameters(); an item is "
+                             f"{type(item).__name__} {_short(item)}{hint}")
+    return named
+
+
+def _short(item) -> str:
+    text = repr(item) if not isinstance(item, torch.Tensor) else f"of shape {list(item.shape)}"
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _check_passes(passes) -> None:

@@ -310,3 +310,120 @@ def adasum_allreduce_and_optimizer():
     else:
         raise AssertionError("skip_synchronize was accepted with Adasum")
     hvd.shutdown()
+
+
+def broadcast_optimizer_state_leaves_zero_gradients():
+    """Horovod's rule: a fresh optimizer's trainable parameters come out of
+    broadcast_optimizer_state with zero gradients (scripts go on to broadcast or clip
+    them); an optimizer with state keeps its gradients and takes the root's state."""
+    hvd.init()
+    me, size = hvd.rank(), hvd.size()
+    torch.manual_seed(me)
+    model = torch.nn.Linear(3, 2)
+    model.bias.requires_grad_(False)  # (left without a gradient, as Horovod leaves it)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert model.bias.grad is None
+    assert torch.equal(model.weight.grad, torch.zeros(2, 3)), model.weight.grad
+    assert torch.equal(hvd.broadcast(model.weight.grad, 0, name="zero.grad"), torch.zeros(2, 3))
+    # State present (a plain optimizer stepped on this rank's own gradient): the gradients
+    # stay, the momentum becomes the root's (its first step's buffer is its gradient).
+    plain = torch.nn.Linear(2, 2, bias=False)
+    sgd = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    plain(torch.arange(2.0).reshape(1, 2) + me).pow(2).sum().backward()
+    sgd.step()
+    mine = plain.weight.grad.clone()
+    hvd.broadcast_optimizer_state(sgd, root_rank=size - 1)
+    assert torch.equal(plain.weight.grad, mine)
+    root_grad = hvd.broadcast(mine, size - 1, name="root.grad")
+    assert torch.equal(sgd.state_dict()["state"][0]["momentum_buffer"], root_grad)
+    for bad in (None, [1.0, 2.0]):
+        try:
+            hvd.broadcast(bad, 0)
+        except hvd.UsageError as e:
+            assert "ringsync.torch.broadcast: tensor is" in str(e), e
+        else:
+            raise AssertionError(f"broadcast of {bad!r} was accepted")
+    hvd.shutdown()
+
+
+def _average_step_reference(model_seed, inputs, lr):
+    """The weight of a Linear(3, 2) after one SGD step on the mean over `inputs` (one per
+    rank) of each rank's gradient of sum(model(x))."""
+    torch.manual_seed(model_seed)
+    ref = torch.nn.Linear(3, 2)
+    for x in inputs:
+        (ref(x).sum() / len(inputs)).backward()
+    torch.optim.SGD(ref.parameters(), lr=lr).step()
+    return ref.weight.detach()
+
+
+def named_parameters_as_horovod_takes_them():
+    """Any iterable of (name, parameter) tuples names the gradients (a generator, a list,
+    a tuple, dict.items()); what Horovod refuses is refused with its exception class."""
+    hvd.init()
+    me, size = hvd.rank(), hvd.size()
+    inputs = [torch.tensor([[1.0 + r, -2.0 * r, 0.5]]) for r in range(size)]
+    forms = {"generator": lambda m: m.named_parameters(),
+             "list": lambda m: list(m.named_parameters()),
+             "tuple": lambda m: tuple(m.named_parameters()),
+             "dict.items()": lambda m: dict(m.named_parameters()).items()}
+    want = _average_step_reference(11, inputs, 0.5)
+    for form, named in forms.items():
+        torch.manual_seed(11)
+        model = torch.nn.Linear(3, 2)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                       named_parameters=named(model))
+        model(inputs[me]).sum().backward()
+        opt.step()
+        assert torch.allclose(model.weight.detach(), want, atol=1e-6), (form, model.weight)
+    model = torch.nn.Linear(3, 2)
+    refused = [(model.named_parameters, TypeError, "call it"),
+               (7, TypeError, "got int"),
+               (dict(model.named_parameters()), ValueError, "pass its .items()"),
+               (list(model.parameters()), ValueError, "an item is Parameter"),
+               ([("w", model.weight)], ValueError, "does not name every parameter"),
+               ([("w", model.weight), ("w", model.bias)], ValueError, "duplicate names")]
+    for given, cls, words in refused:
+        try:
+            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=given)
+        except cls as e:
+            assert words in str(e), (words, str(e))
+        else:
+            raise AssertionError(f"named_parameters={given!r} was accepted")
+    hvd.shutdown()
+
+
+def ranks_outside_the_optimizers_set_keep_their_gradients():
+    """Horovod's rule: DistributedOptimizer(process_set=s) on a rank outside s reduces
+    nothing; that rank steps on its own gradients. The members average among themselves."""
+    hvd.init()
+    me, size = hvd.rank(), hvd.size()
+    if size < 2:  # (every rank is in every set)
+        hvd.shutdown()
+        return
+    members = hvd.add_process_set(list(range(size - 1)))  # all but the last rank
+    inputs = [torch.tensor([[1.0 + r, -2.0 * r, 0.5 * r * r]]) for r in range(size)]
+    group = members.ranks if members.included() else [me]
+    torch.manual_seed(5)
+    model = torch.nn.Linear(3, 2)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                   named_parameters=model.named_parameters(),
+                                   process_set=members)
+    model(inputs[me]).sum().backward()
+    opt.synchronize()
+    want_grad = sum(inputs[r] for r in group).expand(2, 3) / len(group)
+    assert torch.allclose(model.weight.grad, want_grad), (me, model.weight.grad, want_grad)
+    with opt.skip_synchronize():
+        opt.step()
+    want = _average_step_reference(5, [inputs[r] for r in group], 0.5)
+    print(f"rank {me} (in the set: {members.included()}): weight {model.weight.tolist()}")
+    assert torch.allclose(model.weight.detach(), want, atol=1e-6), (me, model.weight, want)
+    opt.zero_grad()
+    model(inputs[me]).sum().backward()
+    opt.step()  # a second step, through step() itself
+    hvd.remove_process_set(members)
+    hvd.shutdown()

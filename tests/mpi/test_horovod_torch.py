@@ -16,7 +16,10 @@ ENV = {"RINGSYNC_TIMEOUT_SECONDS": "60", "OMP_NUM_THREADS": "1"}
 # Run on 1, 2 and 3 ranks in tests/mpi/test_torch.py::test_torch's jobs (one torch import
 # for both modules' bodies).
 BODIES = ["argument_rules_and_compression", "sparse_allreduce_and_probes", "more_gradients",
-          "optimizer_groups_and_sparse", "adasum_allreduce_and_optimizer"]
+          "optimizer_groups_and_sparse", "adasum_allreduce_and_optimizer",
+          "broadcast_optimizer_state_leaves_zero_gradients",
+          "named_parameters_as_horovod_takes_them",
+          "ranks_outside_the_optimizers_set_keep_their_gradients"]
 
 
 def test_process_sets_on_four_ranks():
