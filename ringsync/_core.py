@@ -32,6 +32,8 @@ assert [int(o) for o in ReduceOp] == [lib.RS_OP_SUM, lib.RS_OP_AVERAGE, lib.RS_O
 
 __all__ = ["Communicator", "Handle", "as_op", "even_split"]
 
+_IN_PLACE = object()  # _allreduce's `out` for an in-place call
+
 
 def even_split(n: int, parts: int) -> Sequence[int]:
     """n split into `parts` nearly equal parts, the first n % parts one larger."""
@@ -265,26 +267,54 @@ class Communicator(GroupedCollectives):
 
     # ---- allreduce ----
 
-    def _allreduce(self, src, out, op, prescale, postscale, name, what, blocking):
-        """A Handle; or, for a blocking call the same-host lane ran, the result itself."""
-        return self._submitter.submit_allreduce(
-            self, src, out, self._name(name, "allreduce"), as_op(op, what), float(prescale),
-            float(postscale), what, blocking)
+    def _checked(self, names, kind: int, blocking: bool, build):
+        """build(): a call's own checks and requests. A check that fails here must fail the
+        peers' matching call too (see Submitter.refuse): names must be the call's final
+        names, made before any check, so that unnamed calls keep their numbers alike on
+        every rank."""
+        try:
+            return build()
+        except (TypeError, ValueError) as exc:  # (UsageError is a ValueError)
+            self._submitter.refuse(names, kind, exc, blocking)
+            raise
+
+    def _allreduce(self, x, out, op, prescale, postscale, name, what, blocking):
+        """A Handle; or, for a blocking call the same-host lane ran, the result itself.
+        out: None (a new array), _IN_PLACE (x itself) or the caller's output array."""
+        name = self._name(name, "allreduce")
+        try:  # (inline, not _checked: this is every allreduce's path)
+            if out is _IN_PLACE:
+                src = out = as_output(x, what, name)
+            else:
+                src = as_input(x, what, name)
+                out = np.empty_like(src) if out is None else self._output_like(src, out, name)
+            code, prescale, postscale = as_op(op, what), float(prescale), float(postscale)
+        except (TypeError, ValueError) as exc:
+            self._submitter.refuse([name], lib.RS_KIND_ALLREDUCE, exc, blocking)
+            raise
+        return self._submitter.submit_allreduce(self, src, out, name, code, prescale, postscale,
+                                                what, blocking)
+
+    @staticmethod
+    def _output_like(src, out, name):
+        out = as_output(out, "allreduce", name)
+        if out.dtype != src.dtype or out.shape != src.shape:
+            raise UsageError(f"ringsync.allreduce{describe(name)}: out is {out.dtype} "
+                             f"{out.shape}, the input {src.dtype} {src.shape}")
+        return out
 
     def allreduce_async(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
                         name=None, _blocking=False) -> Handle:
         """Start reducing x over all ranks into a new array; synchronize returns it."""
-        src = as_input(x, "allreduce", name)
         return self._as_handle(self._allreduce(
-            src, np.empty_like(src), op, prescale_factor, postscale_factor, name, "allreduce",
-            _blocking), "allreduce", name)
+            x, None, op, prescale_factor, postscale_factor, name, "allreduce", _blocking),
+            "allreduce", name)
 
     def allreduce_async_(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
                          name=None, _blocking=False) -> Handle:
         """Start reducing x in place; synchronize returns x's array."""
-        out = as_output(x, "allreduce_", name)
         return self._as_handle(self._allreduce(
-            out, out, op, prescale_factor, postscale_factor, name, "allreduce_", _blocking),
+            x, _IN_PLACE, op, prescale_factor, postscale_factor, name, "allreduce_", _blocking),
             "allreduce_", name)
 
     def _as_handle(self, result, what, name) -> Handle:
@@ -295,29 +325,23 @@ class Communicator(GroupedCollectives):
 
     def allreduce(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
                   name=None):
-        src = as_input(x, "allreduce", name)
         return self._wait_unless_done(self._allreduce(
-            src, np.empty_like(src), op, prescale_factor, postscale_factor, name, "allreduce",
-            True))
+            x, None, op, prescale_factor, postscale_factor, name, "allreduce", True))
 
     def allreduce_(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
                    name=None):
-        out = as_output(x, "allreduce_", name)
         return self._wait_unless_done(self._allreduce(
-            out, out, op, prescale_factor, postscale_factor, name, "allreduce_", True))
+            x, _IN_PLACE, op, prescale_factor, postscale_factor, name, "allreduce_", True))
 
     def allreduce_into(self, x, out, op=ReduceOp.AVERAGE, prescale_factor=1.0,
                        postscale_factor=1.0, name=None):
         """allreduce() into memory the caller gives (out: a writable C-contiguous array of
         x's dtype and shape, not overlapping x); returns out. For adapters that hand the
         result to a framework which adopts only memory it likes (aligned, say)."""
-        src = as_input(x, "allreduce", name)
-        out = as_output(out, "allreduce", name)
-        if out.dtype != src.dtype or out.shape != src.shape:
-            raise UsageError(f"ringsync.allreduce{describe(name)}: out is {out.dtype} "
-                             f"{out.shape}, the input {src.dtype} {src.shape}")
+        if out is None or out is _IN_PLACE:
+            raise UsageError("ringsync.allreduce_into: out must be an array")
         return self._wait_unless_done(self._allreduce(
-            src, out, op, prescale_factor, postscale_factor, name, "allreduce", True))
+            x, out, op, prescale_factor, postscale_factor, name, "allreduce", True))
 
     def _wait_unless_done(self, result):
         return self.synchronize(result) if type(result) is Handle else result
@@ -327,8 +351,10 @@ class Communicator(GroupedCollectives):
     def allgather_async(self, x, name=None, _blocking=False) -> Handle:
         """Start concatenating every rank's x along the first dimension (which may differ
         by rank; a 0-d array counts as one row)."""
-        request, finish = self._allgather_request(x, self._name(name, "allgather"),
-                                                  "allgather", _blocking)
+        name = self._name(name, "allgather")
+        request, finish = self._checked([name], lib.RS_KIND_ALLGATHER, _blocking,
+                                        lambda: self._allgather_request(x, name, "allgather",
+                                                                        _blocking))
         return self._submit_taking([request], lambda results: finish(results[0]), "allgather")
 
     def _allgather_request(self, x, name, what, blocking):
@@ -345,22 +371,27 @@ class Communicator(GroupedCollectives):
     # ---- broadcast ----
 
     def broadcast_async(self, x, root_rank, name=None, _blocking=False) -> Handle:
-        out = np.array(as_input(x, "broadcast", name), copy=True)
-        return self._broadcast(out, root_rank, name, "broadcast", _blocking)
+        return self._broadcast(x, root_rank, name, "broadcast", _blocking)
 
     def broadcast_async_(self, x, root_rank, name=None, _blocking=False) -> Handle:
-        out = as_output(x, "broadcast_", name)
-        return self._broadcast(out, root_rank, name, "broadcast_", _blocking)
+        return self._broadcast(x, root_rank, name, "broadcast_", _blocking)
 
-    def _broadcast(self, out, root_rank, name, what, blocking):
+    def _broadcast(self, x, root_rank, name, what, blocking):
+        name = self._name(name, "broadcast")
+        request = self._checked([name], lib.RS_KIND_BROADCAST, blocking, lambda: (
+            self._broadcast_request(x, root_rank, name, what, blocking)))
+        return self._submit([request], lambda: request.out, what)
+
+    def _broadcast_request(self, x, root_rank, name, what, blocking):
         root = self._ring_rank.get(root_rank) if isinstance(root_rank, (int, np.integer)) else None
         if root is None:
             raise UsageError(f"ringsync.{what}: root_rank {root_rank!r}{describe(name)} is out "
                              f"of range: not one of this ring's ranks {_span(self.world_ranks)} "
                              f"(rank {self.world_rank()})")
-        request = make_request(what, lib.RS_KIND_BROADCAST, self._name(name, "broadcast"), out,
-                                out, root=root, blocking=blocking)
-        return self._submit([request], lambda: out, what)
+        out = (as_output(x, what, name) if what == "broadcast_"
+               else np.array(as_input(x, what, name), copy=True))
+        return make_request(what, lib.RS_KIND_BROADCAST, name, out, out, root=root,
+                            blocking=blocking)
 
     def broadcast(self, x, root_rank, name=None):
         """A new array holding root_rank's x on every rank."""
@@ -376,9 +407,10 @@ class Communicator(GroupedCollectives):
                             postscale_factor=1.0, name=None, _blocking=False) -> Handle:
         """Reduce x over all ranks; rank r gets the r-th slice of the first dimension
         (split as evenly as possible, the first ranks taking one more row)."""
-        request, out = self._reducescatter_request(
-            x, as_op(op, "reducescatter"), prescale_factor, postscale_factor,
-            self._name(name, "reducescatter"), "reducescatter", _blocking)
+        name = self._name(name, "reducescatter")
+        request, out = self._checked([name], lib.RS_KIND_REDUCESCATTER, _blocking, lambda: (
+            self._reducescatter_request(x, as_op(op, "reducescatter"), prescale_factor,
+                                        postscale_factor, name, "reducescatter", _blocking)))
         return self._submit([request], lambda: out, "reducescatter")
 
     def _reducescatter_request(self, x, code, prescale, postscale, name, what, blocking):
@@ -402,6 +434,19 @@ class Communicator(GroupedCollectives):
         """Send splits[i] rows of x (in rank order) to rank i. synchronize returns the rows
         received, in rank order, and — when splits was given, as in Horovod — the number of
         rows received from each rank."""
+        name = self._name(name, "alltoall")
+        request = self._checked([name], lib.RS_KIND_ALLTOALL, _blocking, lambda: (
+            self._alltoall_request(x, splits, name, _blocking)))
+        src = request.src
+
+        def finish(result):
+            data, received, from_each = result
+            out = wrap_native_result(data, received, src.shape[1:], src.dtype)
+            return out if splits is None else (out, from_each)
+
+        return self._submit_taking([request], lambda results: finish(results[0]), "alltoall")
+
+    def _alltoall_request(self, x, splits, name, blocking):
         src = as_input(x, "alltoall", name)
         if src.ndim == 0:
             raise UsageError(f"ringsync.alltoall{describe(name)}: needs at least one dimension")
@@ -411,15 +456,13 @@ class Communicator(GroupedCollectives):
             if rows.size != self._size:
                 raise UsageError(f"ringsync.alltoall{describe(name)}: splits {rows.tolist()} on "
                                  f"rank {self._rank} must have one entry per rank ({self._size})")
-        request = make_request("alltoall", lib.RS_KIND_ALLTOALL, self._name(name, "alltoall"),
-                                src, None, splits=rows, blocking=_blocking)
-
-        def finish(result):
-            data, received, from_each = result
-            out = wrap_native_result(data, received, src.shape[1:], src.dtype)
-            return out if splits is None else (out, from_each)
-
-        return self._submit_taking([request], lambda results: finish(results[0]), "alltoall")
+        elif src.shape[0] % self._size:
+            # Horovod's rule (a ValueError there too): no even split, no silent uneven one.
+            raise UsageError(f"ringsync.alltoall{describe(name)}: the first dimension "
+                             f"({src.shape[0]}) on rank {self._rank} is not divisible by the "
+                             f"{self._size} ranks; pass splits")
+        return make_request("alltoall", lib.RS_KIND_ALLTOALL, name, src, None, splits=rows,
+                            blocking=blocking)
 
     def alltoall(self, x, splits=None, name=None):
         return self.synchronize(self.alltoall_async(x, splits, name, _blocking=True))

@@ -12,6 +12,19 @@ from ._submit import Handle, make_request
 from .ops import ReduceOp, as_op
 
 
+def _named(tensors, base: str):
+    """The group as a list, and each tensor's name (made before any check: see _checked)."""
+    tensors = list(tensors)
+    return tensors, [f"{base}.{i}" for i in range(len(tensors))]
+
+
+def _allreduce_request(x, what, name, code, prescale, postscale, in_place, blocking):
+    src = as_output(x, what, name) if in_place else as_input(x, what, name)
+    out = src if in_place else np.empty_like(src)
+    return make_request(what, lib.RS_KIND_ALLREDUCE, name, src, out, op=code, prescale=prescale,
+                        postscale=postscale, reduces=True, blocking=blocking)
+
+
 class GroupedCollectives:
 
     def grouped_allreduce_async(self, tensors, op=ReduceOp.AVERAGE, prescale_factor=1.0,
@@ -19,17 +32,12 @@ class GroupedCollectives:
                                 _blocking=False) -> Handle:
         """Reduce a list of tensors as one unit; synchronize returns the list of results."""
         what = "grouped_allreduce_" if _in_place else "grouped_allreduce"
-        base = self._name(name, "grouped_allreduce")
-        code = as_op(op, what)
-        requests, outs = [], []
-        for i, x in enumerate(tensors):
-            src = as_output(x, what, f"{base}.{i}") if _in_place else as_input(x, what, f"{base}.{i}")
-            out = src if _in_place else np.empty_like(src)
-            outs.append(out)
-            requests.append(make_request(what, lib.RS_KIND_ALLREDUCE, f"{base}.{i}", src, out,
-                                         op=code, prescale=prescale_factor,
-                                         postscale=postscale_factor, reduces=True,
-                                         blocking=_blocking))
+        tensors, names = _named(tensors, self._name(name, "grouped_allreduce"))
+        requests = self._checked(names, lib.RS_KIND_ALLREDUCE, _blocking, lambda: [
+            _allreduce_request(x, what, name, as_op(op, what), prescale_factor,
+                               postscale_factor, _in_place, _blocking)
+            for x, name in zip(tensors, names)])
+        outs = [request.out for request in requests]
         return self._submit(requests, lambda: outs, what)
 
     def grouped_allreduce_async_(self, tensors, op=ReduceOp.AVERAGE, prescale_factor=1.0,
@@ -49,9 +57,10 @@ class GroupedCollectives:
 
     def grouped_allgather_async(self, tensors, name=None, _blocking=False) -> Handle:
         """Allgather a list of tensors as one unit; synchronize returns the list."""
-        base = self._name(name, "grouped_allgather")
-        made = [self._allgather_request(x, f"{base}.{i}", "grouped_allgather", _blocking)
-                for i, x in enumerate(tensors)]
+        tensors, names = _named(tensors, self._name(name, "grouped_allgather"))
+        made = self._checked(names, lib.RS_KIND_ALLGATHER, _blocking, lambda: [
+            self._allgather_request(x, name, "grouped_allgather", _blocking)
+            for x, name in zip(tensors, names)])
         return self._submit_taking([request for request, _ in made], lambda results: [
             finish(result) for (_, finish), result in zip(made, results)], "grouped_allgather")
 
@@ -61,11 +70,12 @@ class GroupedCollectives:
     def grouped_reducescatter_async(self, tensors, op=ReduceOp.AVERAGE, prescale_factor=1.0,
                                     postscale_factor=1.0, name=None, _blocking=False) -> Handle:
         """Reducescatter a list of tensors as one unit; synchronize returns the list."""
-        base = self._name(name, "grouped_reducescatter")
-        code = as_op(op, "grouped_reducescatter")
-        made = [self._reducescatter_request(x, code, prescale_factor, postscale_factor,
-                                            f"{base}.{i}", "grouped_reducescatter", _blocking)
-                for i, x in enumerate(tensors)]
+        tensors, names = _named(tensors, self._name(name, "grouped_reducescatter"))
+        made = self._checked(names, lib.RS_KIND_REDUCESCATTER, _blocking, lambda: [
+            self._reducescatter_request(x, as_op(op, "grouped_reducescatter"), prescale_factor,
+                                        postscale_factor, name, "grouped_reducescatter",
+                                        _blocking)
+            for x, name in zip(tensors, names)])
         outs = [out for _, out in made]
         return self._submit([request for request, _ in made], lambda: outs,
                             "grouped_reducescatter")

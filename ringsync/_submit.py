@@ -203,8 +203,14 @@ class Submitter:
             self.release_finished_orphans()
         cache = self._allreduces
         key = (src.dtype, src.shape, op, prescale, postscale, blocking)
-        struct = cache.structs.get(key) or cache.add_struct(key, self._allreduce_struct(
-            src, name, op, prescale, postscale, what, blocking))
+        struct = cache.structs.get(key)
+        if struct is None:
+            try:
+                struct = cache.add_struct(key, self._allreduce_struct(
+                    src, name, op, prescale, postscale, what, blocking))
+            except UsageError as exc:
+                self.refuse([name], lib.RS_KIND_ALLREDUCE, exc, blocking)
+                raise
         send = ffi.from_buffer(src)
         recv = send if out is src else ffi.from_buffer(out)
         struct.sendbuf, struct.recvbuf = send, recv
@@ -221,6 +227,19 @@ class Submitter:
         if status != lib.RS_OK:
             self.raise_engine_error(status, what)
         return Handle(comm, [ids[0]], (send, recv, c_name), lambda: out, what, [name])
+
+    def refuse(self, names, kind: int, error: Exception, blocking: bool) -> None:
+        """A call failed its own checks here (error): make the peers' matching call fail
+        too, naming this rank, instead of leaving it to wait for this rank, or (blocking,
+        on the same-host lane) to be matched against this rank's next call. A blocking
+        call of one tensor keeps its place in the call order, waiting until every rank has
+        made that call; others are refused by name in the background."""
+        if self.ring.closed:
+            return
+        on_lane = blocking and len(names) == 1 and bool(self.ring.lane)
+        reason = str(error).encode("utf-8", "replace")
+        for name in names:
+            lib.rs_engine_refuse(self.ring.engine, name.encode(), kind, reason, int(on_lane))
 
     def submit_tune(self, comm, name: str, values) -> Handle:
         """A tune request (RS_KIND_TUNE): the settings travel as its shape."""

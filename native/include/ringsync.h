@@ -174,7 +174,11 @@ typedef enum {
     /* New engine settings, applied by every rank at the same point of the agreed order
      * (autotune): shape[RS_TUNE_...] holds them, ndim = RS_TUNE_COUNT; no data. Ranks whose
      * values differ fail it as any mismatch, naming both. */
-    RS_KIND_TUNE = 9
+    RS_KIND_TUNE = 9,
+    /* Not submitted by callers: the engine's stand-in for a call this rank refused (its
+     * arguments failed the local checks), so that the peers' matching call fails too
+     * instead of waiting for it (rs_engine_refuse). `root` holds the refused call's kind. */
+    RS_KIND_REFUSED = 10
 } rs_kind_t;
 
 enum {
@@ -231,6 +235,16 @@ rs_status_t rs_engine_submit(rs_engine_t *engine, const char **names, const rs_r
  * for joins. */
 rs_status_t rs_engine_try_lane(rs_engine_t *engine, const char *name,
                                     const rs_request_t *request, int *ran);
+/* This rank refused the call `name` of `kind` (its arguments failed a check here, with
+ * `reason`): make the peers' matching call fail too, so that the ranks stay matched. A
+ * blocking call on the same-host lane posts the refusal in its place in the call order
+ * and waits until every rank has posted that call (the peers fail it naming this rank and
+ * the reason); otherwise the refusal is negotiated under `name` in the background (no
+ * handle; the peers' request of that name fails naming this rank). rs_engine_submit and
+ * rs_engine_try_lane refuse by themselves when their own checks fail; this is for checks
+ * made above the engine. Returns RS_OK, or the failure that ended the wait. */
+rs_status_t rs_engine_refuse(rs_engine_t *engine, const char *name, int kind,
+                             const char *reason, int blocking);
 /* Whether rs_engine_try_lane can run anything (every rank on this host). */
 int rs_engine_has_lane(rs_engine_t *engine);
 /* The settings the engine runs with now, RS_TUNE_COUNT values in RS_TUNE_* order: the

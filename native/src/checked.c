@@ -21,7 +21,17 @@ int rs_add_checked(int64_t a, int64_t b, int64_t *out) {
 
 static int reduces(int kind) { return kind == RS_KIND_ALLREDUCE || kind == RS_KIND_REDUCESCATTER; }
 static int has_data(int kind) {
-    return kind != RS_KIND_BARRIER && kind != RS_KIND_JOIN && kind != RS_KIND_TUNE;
+    return kind != RS_KIND_BARRIER && kind != RS_KIND_JOIN && kind != RS_KIND_TUNE &&
+           kind != RS_KIND_REFUSED;
+}
+
+/* A refusal carries nothing but the refused call's kind (in root): every other field as
+ * rs_engine_refuse leaves it, so that ranks compare refusals bit for bit. */
+static rs_status_t check_refusal(const rs_meta_t *m, rs_error_t *why) {
+    if (m->root < RS_KIND_ALLREDUCE || m->root >= RS_KIND_REFUSED || m->ndim != 0)
+        return rs_error_set(why, RS_ERR_USAGE, "a refusal of kind %d with %d dimensions",
+                            (int)m->root, (int)m->ndim);
+    return RS_OK;
 }
 
 /* A tune request's shape is a list of settings, not dimensions: each bounded on its own. */
@@ -57,10 +67,10 @@ rs_status_t rs_meta_check(const rs_meta_t *m, int size, rs_error_t *why, int64_t
                           int64_t *bytes) {
     const char *kind = rs_kind_name(m->kind);
     /* (a recv's metadata say "send": both ends of a message carry the same) */
-    if (m->kind < RS_KIND_ALLREDUCE || m->kind > RS_KIND_TUNE || m->kind == RS_KIND_RECV)
+    if (m->kind < RS_KIND_ALLREDUCE || m->kind > RS_KIND_REFUSED || m->kind == RS_KIND_RECV)
         return rs_error_set(why, RS_ERR_USAGE, "unknown collective kind %d", (int)m->kind);
-    if (m->kind == RS_KIND_TUNE) {
-        RS_CHECK(check_settings(m, why));
+    if (m->kind == RS_KIND_TUNE || m->kind == RS_KIND_REFUSED) {
+        RS_CHECK(m->kind == RS_KIND_TUNE ? check_settings(m, why) : check_refusal(m, why));
         if (elements)
             *elements = 0;
         if (bytes)
@@ -101,4 +111,12 @@ rs_status_t rs_meta_check(const rs_meta_t *m, int size, rs_error_t *why, int64_t
     if (bytes)
         *bytes = b;
     return RS_OK;
+}
+
+rs_meta_t rs_refusal_meta(int kind) {
+    rs_meta_t m = {0};
+    m.kind = RS_KIND_REFUSED;
+    m.root = kind >= RS_KIND_ALLREDUCE && kind < RS_KIND_REFUSED ? kind : RS_KIND_ALLREDUCE;
+    m.prescale = m.postscale = 1.0;
+    return m;
 }

@@ -38,4 +38,8 @@ typedef struct {
 rs_status_t rs_meta_check(const rs_meta_t *m, int size, rs_error_t *why, int64_t *elements,
                           int64_t *bytes);
 
+/* The metadata that stands for a refused call of `kind` (RS_KIND_REFUSED; see ringsync.h):
+ * the same on every rank that refuses it. */
+rs_meta_t rs_refusal_meta(int kind);
+
 #endif

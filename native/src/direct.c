@@ -45,7 +45,8 @@
 
 /* What a post announces: its data follows (one round); the engine runs the call; the
  * allreduce goes in staged chunks after the headers agree. */
-enum { POST_DATA = 1, POST_USE_ENGINE = 2, POST_STAGED = 4 };
+enum { POST_DATA = 1, POST_USE_ENGINE = 2, POST_STAGED = 4, POST_REFUSED = 8 };
+#define REFUSAL_TEXT_MAX 900 /* bytes of a refusal's reason a peer quotes */
 
 typedef struct {
     uint64_t seq; /* stored last, with release: the post for operation `seq` is complete */
@@ -320,9 +321,27 @@ out:
     return st;
 }
 
+/* A rank that refused the call (rs_direct_refuse) fails it on every rank: the first such
+ * rank is named with its reason (its own bytes: at most REFUSAL_TEXT_MAX of them, up to a
+ * NUL, are quoted). */
+static rs_status_t check_refusals(rs_direct_t *d, uint64_t seq) {
+    for (int r = 0; r < d->comm->size; r++) {
+        const post_t *p = &d->areas[r]->posts[seq & 1];
+        if (!(__atomic_load_n(&p->flags, __ATOMIC_RELAXED) & POST_REFUSED))
+            continue;
+        const char *end = memchr(p->data, '\0', REFUSAL_TEXT_MAX);
+        int len = end ? (int)(end - p->data) : REFUSAL_TEXT_MAX;
+        return rs_error_set(&d->error, RS_ERR_USAGE, "blocking %s '%.*s' was refused on rank "
+                            "%d: %.*s", rs_kind_name(p->meta.root), 200, p->name, r,
+                            len, p->data);
+    }
+    return RS_OK;
+}
+
 /* RS_OK if every rank posted the same well-formed tensor, else RS_ERR_USAGE with the
  * lane's record naming ranks and values. */
 static rs_status_t check_posts(rs_direct_t *d, uint64_t seq) {
+    RS_CHECK(check_refusals(d, seq));
     RS_CHECK(check_well_formed(d, seq));
     RS_CHECK(check_names(d, seq));
     return check_metas(d, seq);
@@ -404,6 +423,22 @@ rs_status_t rs_direct_run(rs_direct_t *d, const char *name, const rs_meta_t *met
     return RS_OK;
 }
 
+rs_status_t rs_direct_refuse(rs_direct_t *d, const char *name, int kind, const char *reason,
+                             const rs_status_t *failure, uint32_t epoch) {
+    rs_error_clear(&d->error);
+    uint64_t seq = ++d->seq;
+    post_t *post = &d->areas[d->comm->rank]->posts[seq & 1];
+    rs_meta_t meta = rs_refusal_meta(kind);
+    size_t len = strnlen(reason, REFUSAL_TEXT_MAX - 1);
+    fill_header(post, name, &meta, len + 1, POST_REFUSED, epoch);
+    memcpy(post->data, reason, len);
+    post->data[len] = '\0';
+    publish(d, &post->seq, seq);
+    /* Wait like every rank: its post of this call may be overwritten only after that. */
+    waiting_t w = {name, kind, failure};
+    return wait_for(d, all_posted, seq, &w);
+}
+
 /* ---- a joined rank ---- */
 
 /* A peer's post for operation seq made during the join this rank serves (d->serving).
@@ -452,7 +487,8 @@ static void serve_posts(rs_direct_t *d) {
         rs_meta_t meta = theirs->meta; /* one read of the peer's fields */
         int64_t bytes = 0;
         rs_error_t why; /* (the engine words the error, on every rank) */
-        int flags = meta.kind == RS_KIND_ALLREDUCE ? theirs->flags : POST_USE_ENGINE;
+        int flags = meta.kind == RS_KIND_ALLREDUCE && !(theirs->flags & POST_REFUSED)
+                        ? theirs->flags : POST_USE_ENGINE;
         if (rs_meta_check(&meta, d->comm->size, &why, NULL, &bytes) != RS_OK ||
             ((flags & POST_DATA) && (size_t)bytes > RS_DIRECT_MAX_BYTES))
             flags = POST_USE_ENGINE;

@@ -121,7 +121,18 @@ static void finish_locked(rs_engine_t *e, rs_work_t *w) {
     rs_map_remove(&e->in_flight, w->name);
 }
 
+/* Under mu: a refusal is done once negotiated (or failed): nobody waits for it. */
+static void drop_refusal_locked(rs_engine_t *e, rs_work_t *w) {
+    if (rs_map_get(&e->in_flight, w->name) == w)
+        rs_map_remove(&e->in_flight, w->name);
+    free_work(w);
+}
+
 static void fail_locked(rs_engine_t *e, rs_work_t *w) {
+    if (w->refusal) {
+        drop_refusal_locked(e, w);
+        return;
+    }
     w->status = e->failure.code;
     free(w->error);
     w->error = strdup(e->failure.text);
@@ -148,8 +159,10 @@ static void wake_thread(rs_engine_t *e);
 void rs_engine_fail(rs_engine_t *e, rs_status_t st, const char *text) {
     pthread_mutex_lock(&e->mu);
     set_failure_locked(e, st, text);
-    for (rs_work_t *w = e->queue_head; w; w = w->next)
+    for (rs_work_t *w = e->queue_head, *next; w; w = next) {
+        next = w->next; /* (a refusal is freed) */
         fail_locked(e, w);
+    }
     e->queue_head = e->queue_tail = NULL;
     pthread_cond_broadcast(&e->done_cv);
     pthread_mutex_unlock(&e->mu);
@@ -310,6 +323,10 @@ static void complete_ready(rs_engine_t *e, rs_pending_t **ready, int nready, rs_
             free_work(w);
             continue;
         }
+        if (w->refusal) {
+            drop_refusal_locked(e, w);
+            continue;
+        }
         if (w->meta.kind == RS_KIND_JOIN) {
             w->result_rows = ready[i]->last_rank;
             __atomic_add_fetch(&e->joins, 1, __ATOMIC_RELEASE);
@@ -369,8 +386,9 @@ static double check_deadlines(rs_engine_t *e) {
     rs_pending_t *oldest = NULL;
     for (size_t i = 0; i < n->pending.capacity; i++) {
         rs_pending_t *p = n->pending.keys[i] ? n->pending.values[i] : NULL;
-        /* A joined rank may wait for the others' whole epoch: join has no deadline. */
-        if (p && p->mine && p->mine->meta.kind != RS_KIND_JOIN &&
+        /* A joined rank may wait for the others' whole epoch: join has no deadline; nobody
+         * waits for a refusal. */
+        if (p && p->mine && p->mine->meta.kind != RS_KIND_JOIN && !p->mine->refusal &&
             (!oldest || p->mine->submitted_at < oldest->mine->submitted_at))
             oldest = p;
     }
@@ -756,17 +774,61 @@ static rs_status_t accept_all(rs_engine_t *e, const char **names, const rs_reque
     return RS_OK;
 }
 
+/* Under mu. */
+static void enqueue_locked(rs_engine_t *e, rs_work_t *w) {
+    w->submitted_at = rs_now();
+    if (e->queue_tail)
+        e->queue_tail->next = w;
+    else
+        e->queue_head = w;
+    e->queue_tail = w;
+}
+
 /* Under mu: the whole group at once, so that it negotiates in one round. */
 static void queue_all(rs_engine_t *e, const int64_t *handles, int n) {
-    for (int i = 0; i < n; i++) {
-        rs_work_t *w = work_of(e, handles[i]);
-        w->submitted_at = rs_now();
-        if (e->queue_tail)
-            e->queue_tail->next = w;
-        else
-            e->queue_head = w;
-        e->queue_tail = w;
+    for (int i = 0; i < n; i++)
+        enqueue_locked(e, work_of(e, handles[i]));
+}
+
+/* Under mu: queue a refusal of `name` (see rs_engine_refuse); 1 if one was queued. None
+ * for a name every rank's own check refuses alike (empty, too long), for one already in
+ * flight here (that request is this rank's own and goes on), for a message (only its two
+ * ends wait for it, and they match by their own sequence), or once the engine failed. */
+static int refuse_locked(rs_engine_t *e, const char *name, int kind) {
+    if (e->failure.code != RS_OK || e->stopping || !name || !*name ||
+        strlen(name) > RS_MAX_NAME_LEN || rs_map_get(&e->in_flight, name) || is_p2p(kind) ||
+        kind == RS_KIND_JOIN || kind == RS_KIND_TUNE)
+        return 0;
+    rs_work_t *w = calloc(1, sizeof *w);
+    if (!w || !(w->name = strdup(name))) {
+        free(w);
+        return 0; /* out of memory: the peers' call waits, as it did before refusals */
     }
+    w->meta = rs_refusal_meta(kind);
+    w->refusal = w->start_now = 1;
+    w->handle = -1;
+    if (rs_map_put(&e->in_flight, w->name, w) != 0) {
+        free_work(w);
+        return 0;
+    }
+    enqueue_locked(e, w);
+    return 1;
+}
+
+/* Under mu: wake the engine thread if it sleeps or gathers (returns whether to). */
+static int must_wake_locked(rs_engine_t *e, int urgent) {
+    int wake = e->sleeping || (e->gathering && urgent);
+    if (wake) /* one wake-up per sleep: later submitters find the flags down */
+        e->sleeping = e->gathering = 0;
+    return wake;
+}
+
+void rs_engine_refuse_later(rs_engine_t *e, const char *name, int kind) {
+    pthread_mutex_lock(&e->mu);
+    int wake = refuse_locked(e, name, kind) && must_wake_locked(e, 1);
+    pthread_mutex_unlock(&e->mu);
+    if (wake)
+        wake_thread(e);
 }
 
 /* Under mu: names[i] for a collective, the message's name for a send or recv (made[i],
@@ -816,13 +878,18 @@ rs_status_t rs_engine_submit(rs_engine_t *e, const char **names, const rs_reques
         RS_CHECK_GOTO(rs_error_set(&e->error, RS_ERR_NOMEM, "out of memory"), st, out);
     if (n > 0)
         RS_CHECK_GOTO(name_messages(e, names, requests, n, use, made), st, out);
-    RS_CHECK_GOTO(validate_all(e, use, requests, n), st, out);
+    st = validate_all(e, use, requests, n);
+    if (st == RS_ERR_USAGE) { /* the peers' matching calls must fail too, not wait */
+        int refused = 0;
+        for (int i = 0; i < n; i++)
+            refused |= refuse_locked(e, use[i], requests[i].kind);
+        wake = refused && must_wake_locked(e, 1);
+    }
+    RS_CHECK_GOTO(st, st, out);
     RS_CHECK_GOTO(accept_all(e, use, requests, n, handles), st, out);
     count_messages(e, names, requests, n);
     queue_all(e, handles, n);
-    wake = e->sleeping || (e->gathering && any_request_starts_now(requests, n));
-    if (wake) /* one wake-up per sleep: later submitters find the flags down */
-        e->sleeping = e->gathering = 0;
+    wake = must_wake_locked(e, any_request_starts_now(requests, n));
 out:
     pthread_mutex_unlock(&e->mu);
     for (int i = 0; made && i < n; i++)

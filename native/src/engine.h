@@ -33,6 +33,7 @@ typedef struct rs_work {
     int64_t result_rows;
     int64_t *result_splits;
     int synthetic; /* made by the engine for a joined rank: zeros in, result discarded */
+    int refusal;   /* stands for a call this rank refused: no handle, freed once negotiated */
     struct rs_work *next; /* submission queue */
 } rs_work_t;
 
@@ -153,6 +154,11 @@ rs_status_t rs_direct_run(rs_direct_t *d, const char *name, const rs_meta_t *met
  * the engine thread uses, so without the lock). */
 rs_status_t rs_direct_staged_allreduce(rs_direct_t *d, const void *sendbuf, void *recvbuf,
                                        size_t count, const rs_meta_t *meta);
+/* Post a refusal of the blocking call `name` of `kind` in its place in the call order
+ * (the peers' same call fails naming this rank and quoting `reason`), then wait until
+ * every rank has posted that call. The caller holds the lane's lock. */
+rs_status_t rs_direct_refuse(rs_direct_t *d, const char *name, int kind, const char *reason,
+                             const rs_status_t *failure, uint32_t epoch);
 /* A joined rank, until *done (read atomically) or `until` (rs_now() time): post zeros for
  * every allreduce the others post during join number `epoch` (posts carry the poster's
  * count of completed joins: one made after the join completed is left for this rank's own
@@ -168,6 +174,9 @@ rs_meta_t rs_request_meta(const rs_request_t *r);
 /* Check a request as rs_engine_submit would (a calling thread: a refusal goes into the
  * engine's error record). */
 rs_status_t rs_engine_validate(rs_engine_t *e, const char *name, const rs_request_t *r);
+/* Negotiate a refusal of `name` (a call of `kind` this rank refused) in the background:
+ * the peers' request of that name fails, naming this rank (see rs_engine_refuse). */
+void rs_engine_refuse_later(rs_engine_t *e, const char *name, int kind);
 /* The engine's failure code, for a waiter's atomic look (0 until the engine fails). */
 const rs_status_t *rs_engine_failure(rs_engine_t *e);
 /* Joins this rank has completed (read atomically): the epoch that lane posts carry. */

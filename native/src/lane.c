@@ -31,6 +31,38 @@ static rs_status_t report(rs_engine_t *e, rs_status_t st, const rs_error_t *why)
     return rs_engine_report(e, st, comm_why.text);
 }
 
+/* This rank's check of a blocking call failed with st (the engine's record says why):
+ * post the refusal in the call's place, so that the peers fail the same call, and wait
+ * for them. Returns st with the reason still in the record (or the failure that ended
+ * the wait). */
+static rs_status_t refuse_on_lane(rs_engine_t *e, rs_direct_t *lane, const char *name,
+                                  int kind, rs_status_t st) {
+    if (st != RS_ERR_USAGE)
+        return st; /* the engine has failed: no call is matched any more */
+    char reason[RS_ERROR_LEN];
+    snprintf(reason, sizeof reason, "%s", rs_engine_last_error(e));
+    rs_error_t why;
+    rs_direct_lock(lane);
+    rs_status_t waited = rs_direct_refuse(lane, name, kind, reason, rs_engine_failure(e),
+                                          rs_engine_joins(e));
+    if (waited != RS_OK)
+        rs_error_copy(&why, rs_direct_error(lane));
+    rs_direct_unlock(lane);
+    return waited != RS_OK ? report(e, waited, &why) : rs_engine_report(e, st, reason);
+}
+
+rs_status_t rs_engine_refuse(rs_engine_t *e, const char *name, int kind, const char *reason,
+                             int blocking) {
+    rs_direct_t *lane = rs_engine_lane(e);
+    if (!blocking || !lane) {
+        rs_engine_refuse_later(e, name, kind);
+        return RS_OK;
+    }
+    rs_engine_report(e, RS_ERR_USAGE, reason ? reason : "");
+    rs_status_t st = refuse_on_lane(e, lane, name ? name : "", kind, RS_ERR_USAGE);
+    return st == RS_ERR_USAGE ? RS_OK : st;
+}
+
 /* A blocking call on the same-host lane (see direct.c). */
 rs_status_t rs_engine_try_lane(rs_engine_t *e, const char *name, const rs_request_t *r,
                                int *ran) {
@@ -42,7 +74,7 @@ rs_status_t rs_engine_try_lane(rs_engine_t *e, const char *name, const rs_reques
     rs_status_t st = rs_engine_validate(e, name, r);
     if (st != RS_OK) {
         *ran = 1;
-        return st;
+        return refuse_on_lane(e, lane, name, r->kind, st);
     }
     rs_meta_t meta = rs_request_meta(r);
     rs_error_t why; /* read only after a failure */

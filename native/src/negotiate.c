@@ -50,7 +50,7 @@ static int cacheable(int kind) {
     /* Gathers carry a per-rank first dimension, so their metadata differ by rank; a
      * message concerns two ranks, and unnamed ones are never named twice. */
     return kind != RS_KIND_ALLGATHER && kind != RS_KIND_ALLTOALL && kind != RS_KIND_JOIN &&
-           kind != RS_KIND_SEND;
+           kind != RS_KIND_SEND && kind != RS_KIND_REFUSED;
 }
 
 static int cache_id(const rs_negotiator_t *n, const char *name) {
@@ -507,7 +507,29 @@ static char *p2p_mismatch(const rs_pending_t *p, int size) {
     return NULL;
 }
 
+/* A rank refused the call (its own checks failed; see rs_engine_refuse): every rank fails
+ * it, naming the first rank that refused. */
+static char *refused(const rs_pending_t *p, int size) {
+    int by = -1, kind = -1;
+    for (int r = 0; r < size; r++) {
+        if (!p->submitted[r])
+            continue;
+        if (p->metas[r].kind == RS_KIND_REFUSED && by < 0)
+            by = r;
+        else if (p->metas[r].kind != RS_KIND_REFUSED && kind < 0)
+            kind = p->metas[r].kind;
+    }
+    if (by < 0)
+        return NULL;
+    return rs_strdup_printf("%s '%s' was refused on rank %d: its arguments failed a check "
+                            "there (that rank's error says which)",
+                            rs_kind_name(kind >= 0 ? kind : p->metas[by].root), p->name, by);
+}
+
 char *rs_check_agreement(const rs_pending_t *p, int size) {
+    char *refusal = refused(p, size);
+    if (refusal)
+        return refusal;
     if (rs_pending_is_p2p(p))
         return p2p_mismatch(p, size);
     if (p->count < size && p->metas[0].kind != RS_KIND_ALLREDUCE) {

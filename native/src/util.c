@@ -118,7 +118,8 @@ const char *rs_dtype_name(int dtype) {
 
 const char *rs_kind_name(int kind) {
     static const char *names[] = {"allreduce", "allgather", "broadcast", "reducescatter",
-                                  "alltoall", "barrier", "join", "send", "recv", "tune"};
+                                  "alltoall", "barrier", "join", "send", "recv", "tune",
+                                  "refused call"};
     return kind >= 0 && kind < (int)(sizeof names / sizeof *names) ? names[kind] : "unknown";
 }
 
