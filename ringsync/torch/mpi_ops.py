@@ -153,12 +153,15 @@ def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=PS,
 
 def alltoall_async(tensor, splits=None, name=None, process_set=PS, _blocking=False):
     """synchronize returns (output, rows received from each rank), as Horovod's does.
-    splits=None: the rows split as evenly as possible (the first ranks one more)."""
+    splits=None: the rows split evenly (a first dimension not divisible by the ranks is
+    refused on every rank, a ValueError as in Horovod)."""
     comm = _comm(process_set)
     if isinstance(splits, torch.Tensor):
         splits = splits.detach().cpu().numpy()
     arr, _ = host_view(tensor, "alltoall_async")
-    if splits is None and arr.ndim:
+    if splits is None and arr.ndim and arr.shape[0] % comm.size() == 0:
+        # (even splits, so that the counts received come back; any other first dimension
+        # goes on without splits, and the core refuses it on every rank, as Horovod does)
         splits = even_split(arr.shape[0], comm.size())
     handle = comm.alltoall_async(arr, splits, name, _blocking)
     return handle.then(lambda res: (result_like(res[0], tensor),
