@@ -95,6 +95,7 @@ def fill_struct(s, r: Request):
     """Fill the native request struct s from r; returns what must stay alive meanwhile."""
     s.kind, s.dtype, s.op, s.root = r.kind, r.dtype, r.op, r.root
     s.prescale, s.postscale, s.start_now = r.prescale, r.postscale, r.start_now
+    s.blocking = r.try_lane  # (a blocking call: matched in call order, see ringsync.h)
     s.ndim = r.src.ndim
     s.shape[0:r.src.ndim] = r.src.shape
     send = pointer(r.src)
@@ -236,10 +237,10 @@ class Submitter:
         made that call; others are refused by name in the background."""
         if self.ring.closed:
             return
-        on_lane = blocking and len(names) == 1 and bool(self.ring.lane)
+        single = blocking and len(names) == 1  # (a blocking group is matched by name)
         reason = str(error).encode("utf-8", "replace")
         for name in names:
-            lib.rs_engine_refuse(self.ring.engine, name.encode(), kind, reason, int(on_lane))
+            lib.rs_engine_refuse(self.ring.engine, name.encode(), kind, reason, int(single))
 
     def submit_tune(self, comm, name: str, values) -> Handle:
         """A tune request (RS_KIND_TUNE): the settings travel as its shape."""

@@ -206,6 +206,11 @@ typedef struct {
     void *recvbuf;
     const int64_t *splits; /* alltoall: rows sent to each rank (size entries); NULL = even */
     int start_now;         /* a caller is waiting now: do not hold it back to fuse more */
+    /* A blocking call (the caller waits for it alone, as the plain collectives do): such
+     * calls of one tensor are matched in call order on every path, as MPI's are, so that
+     * ranks calling different names fail the same call instead of waiting for each
+     * other (asynchronous ones are matched by name, in any order). */
+    int blocking;
 } rs_request_t;
 
 typedef struct {

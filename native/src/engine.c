@@ -55,6 +55,9 @@ struct rs_engine {
      * each (size entries each, under mu): the k-th of each pair gets the same name. */
     int64_t *p2p_sent, *p2p_received;
     int p2p_in_flight; /* this rank's sends and recvs not yet done (under mu) */
+    /* Blocking calls of one tensor submitted (under mu): the k-th gets blocking_seq k, and
+     * negotiation matches the k-th of every rank (see rs_request_t.blocking). */
+    uint64_t blocking_calls;
 
     /* the engine thread's own */
     rs_negotiator_t negotiator;
@@ -794,7 +797,7 @@ static void queue_all(rs_engine_t *e, const int64_t *handles, int n) {
  * for a name every rank's own check refuses alike (empty, too long), for one already in
  * flight here (that request is this rank's own and goes on), for a message (only its two
  * ends wait for it, and they match by their own sequence), or once the engine failed. */
-static int refuse_locked(rs_engine_t *e, const char *name, int kind) {
+static int refuse_locked(rs_engine_t *e, const char *name, int kind, uint64_t blocking_seq) {
     if (e->failure.code != RS_OK || e->stopping || !name || !*name ||
         strlen(name) > RS_MAX_NAME_LEN || rs_map_get(&e->in_flight, name) || is_p2p(kind) ||
         kind == RS_KIND_JOIN || kind == RS_KIND_TUNE)
@@ -806,6 +809,7 @@ static int refuse_locked(rs_engine_t *e, const char *name, int kind) {
     }
     w->meta = rs_refusal_meta(kind);
     w->refusal = w->start_now = 1;
+    w->blocking_seq = blocking_seq;
     w->handle = -1;
     if (rs_map_put(&e->in_flight, w->name, w) != 0) {
         free_work(w);
@@ -823,9 +827,19 @@ static int must_wake_locked(rs_engine_t *e, int urgent) {
     return wake;
 }
 
-void rs_engine_refuse_later(rs_engine_t *e, const char *name, int kind) {
+/* Under mu: the blocking sequence number of a submission of n requests (0: none). Every
+ * blocking call of one tensor takes one, refused or not, so that ranks count alike. */
+static uint64_t next_blocking_seq(rs_engine_t *e, const rs_request_t *requests, int n) {
+    int k = n == 1 ? requests[0].kind : -1;
+    int counts = n == 1 && requests[0].blocking && !is_p2p(k) && k != RS_KIND_JOIN &&
+                 k != RS_KIND_TUNE;
+    return counts ? ++e->blocking_calls : 0;
+}
+
+void rs_engine_refuse_later(rs_engine_t *e, const char *name, int kind, int blocking) {
     pthread_mutex_lock(&e->mu);
-    int wake = refuse_locked(e, name, kind) && must_wake_locked(e, 1);
+    uint64_t seq = blocking && !is_p2p(kind) ? ++e->blocking_calls : 0;
+    int wake = refuse_locked(e, name, kind, seq) && must_wake_locked(e, 1);
     pthread_mutex_unlock(&e->mu);
     if (wake)
         wake_thread(e);
@@ -878,15 +892,18 @@ rs_status_t rs_engine_submit(rs_engine_t *e, const char **names, const rs_reques
         RS_CHECK_GOTO(rs_error_set(&e->error, RS_ERR_NOMEM, "out of memory"), st, out);
     if (n > 0)
         RS_CHECK_GOTO(name_messages(e, names, requests, n, use, made), st, out);
+    uint64_t blocking_seq = next_blocking_seq(e, requests, n);
     st = validate_all(e, use, requests, n);
     if (st == RS_ERR_USAGE) { /* the peers' matching calls must fail too, not wait */
         int refused = 0;
         for (int i = 0; i < n; i++)
-            refused |= refuse_locked(e, use[i], requests[i].kind);
+            refused |= refuse_locked(e, use[i], requests[i].kind, blocking_seq);
         wake = refused && must_wake_locked(e, 1);
     }
     RS_CHECK_GOTO(st, st, out);
     RS_CHECK_GOTO(accept_all(e, use, requests, n, handles), st, out);
+    if (blocking_seq)
+        work_of(e, handles[0])->blocking_seq = blocking_seq;
     count_messages(e, names, requests, n);
     queue_all(e, handles, n);
     wake = must_wake_locked(e, any_request_starts_now(requests, n));

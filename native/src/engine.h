@@ -34,6 +34,7 @@ typedef struct rs_work {
     int64_t *result_splits;
     int synthetic; /* made by the engine for a joined rank: zeros in, result discarded */
     int refusal;   /* stands for a call this rank refused: no handle, freed once negotiated */
+    uint64_t blocking_seq; /* this rank's count of blocking calls, this one's; 0: not one */
     struct rs_work *next; /* submission queue */
 } rs_work_t;
 
@@ -51,7 +52,10 @@ typedef struct {
     int stall_reported;
     int last_rank;            /* the rank whose submission was recorded last */
     rs_work_t *mine;          /* this rank's request, once submitted */
+    char *failure;            /* failed before it could run (blocking calls out of order) */
 } rs_pending_t;
+
+#define RS_FAILED_BLOCKING_KEEP 16 /* mismatched blocking calls remembered for late ranks */
 
 typedef struct {
     int size;
@@ -67,6 +71,11 @@ typedef struct {
     unsigned char *cache_valid;
     rs_map_t cache_ids;       /* name -> (id + 1) */
     rs_pending_t *join;       /* the join in progress: ranks that submitted it have joined */
+    /* The last blocking calls (by number) that failed as mismatched, and why: a rank that
+     * submits its call of that number only later fails it too. */
+    uint64_t failed_blocking[RS_FAILED_BLOCKING_KEEP];
+    char *failed_blocking_text[RS_FAILED_BLOCKING_KEEP];
+    int failed_blocking_next;
 } rs_negotiator_t;
 
 rs_status_t rs_negotiator_init(rs_negotiator_t *n, int rank, int size, int capacity);
@@ -176,7 +185,7 @@ rs_meta_t rs_request_meta(const rs_request_t *r);
 rs_status_t rs_engine_validate(rs_engine_t *e, const char *name, const rs_request_t *r);
 /* Negotiate a refusal of `name` (a call of `kind` this rank refused) in the background:
  * the peers' request of that name fails, naming this rank (see rs_engine_refuse). */
-void rs_engine_refuse_later(rs_engine_t *e, const char *name, int kind);
+void rs_engine_refuse_later(rs_engine_t *e, const char *name, int kind, int blocking);
 /* The engine's failure code, for a waiter's atomic look (0 until the engine fails). */
 const rs_status_t *rs_engine_failure(rs_engine_t *e);
 /* Joins this rank has completed (read atomically): the epoch that lane posts carry. */

@@ -55,7 +55,7 @@ rs_status_t rs_engine_refuse(rs_engine_t *e, const char *name, int kind, const c
                              int blocking) {
     rs_direct_t *lane = rs_engine_lane(e);
     if (!blocking || !lane) {
-        rs_engine_refuse_later(e, name, kind);
+        rs_engine_refuse_later(e, name, kind, blocking);
         return RS_OK;
     }
     rs_engine_report(e, RS_ERR_USAGE, reason ? reason : "");

@@ -28,6 +28,7 @@ void rs_pending_free(rs_pending_t *p) {
     if (!p)
         return;
     free(p->name);
+    free(p->failure);
     free(p->metas);
     free(p->submitted);
     free(p);
@@ -44,6 +45,8 @@ void rs_negotiator_free(rs_negotiator_t *n) {
     free(n->cache_metas);
     free(n->cache_valid);
     rs_map_free(&n->cache_ids);
+    for (int i = 0; i < RS_FAILED_BLOCKING_KEEP; i++)
+        free(n->failed_blocking_text[i]);
 }
 
 static int cacheable(int kind) {
@@ -191,6 +194,8 @@ typedef struct {
     uint64_t round;         /* rounds this negotiator ran before (the same on every rank) */
     uint64_t payload_bytes; /* uncached requests, sent in a second round */
     uint64_t payload_hash;  /* FNV-1a of those bytes */
+    uint64_t blocking_seq;  /* this rank's oldest blocking call not yet run (0: none) */
+    uint64_t blocking_hash; /* FNV-1a of its name */
 } round_header_t;
 
 typedef struct {
@@ -294,9 +299,9 @@ static rs_status_t collect_ready(rs_negotiator_t *n, pending_list_t *touched,
     int k = 0;
     for (int i = 0; i < touched->count; i++) {
         rs_pending_t *p = touched->items[i];
-        if (ready_everywhere(n, p) && rs_map_get(&n->pending, p->name) == p) {
+        if ((p->failure || ready_everywhere(n, p)) && rs_map_get(&n->pending, p->name) == p) {
             rs_map_remove(&n->pending, p->name);
-            if (p->count < n->size && !rs_pending_is_p2p(p))
+            if (p->count < n->size && !rs_pending_is_p2p(p) && !p->failure)
                 fill_joined_metas(n, p);
             if (p == n->join)
                 n->join = NULL; /* every rank has joined: the join ends */
@@ -311,7 +316,8 @@ static rs_status_t collect_ready(rs_negotiator_t *n, pending_list_t *touched,
 
 static rs_status_t exchange(rs_comm_t *comm, rs_negotiator_t *n, const uint64_t *bits,
                             size_t words, const char *payload, size_t payload_bytes,
-                            char **gathered_bits, char **gathered_payload, int64_t **sizes) {
+                            const uint64_t blocking[2], char **gathered_bits,
+                            char **gathered_payload, int64_t **sizes) {
     size_t record_bytes = sizeof(round_header_t) + words * 8;
     char *mine = calloc(1, record_bytes);
     char *all = malloc(record_bytes * (size_t)n->size);
@@ -324,7 +330,7 @@ static rs_status_t exchange(rs_comm_t *comm, rs_negotiator_t *n, const uint64_t 
         return RS_ERR_NOMEM;
     }
     round_header_t h = {ROUND_MAGIC, (uint32_t)words, n->rounds, payload_bytes,
-                        rs_fnv1a(payload, payload_bytes)};
+                        rs_fnv1a(payload, payload_bytes), blocking[0], blocking[1]};
     memcpy(mine, &h, sizeof h);
     memcpy(mine + sizeof h, bits, words * 8);
     for (int r = 0; r < n->size; r++)
@@ -380,6 +386,108 @@ static rs_status_t decode_round(rs_comm_t *comm, rs_negotiator_t *n, const char 
     return RS_OK;
 }
 
+/* ---- blocking calls, matched in call order ----
+ *
+ * Each rank numbers its blocking calls of one tensor (rs_work_t.blocking_seq) and says in
+ * every round which of them it waits for (the oldest not yet run) and its name's hash. Two
+ * ranks waiting for their k-th blocking call under different names can never meet: every
+ * rank sees it in the same gathered headers and fails both calls alike (and the k-th call
+ * of a rank that makes it only later), so that the ranks' next calls are matched again. */
+
+static void oldest_blocking(const rs_negotiator_t *n, rs_work_t **batch, int nbatch,
+                            uint64_t out[2]) {
+    const rs_work_t *oldest = NULL;
+    for (int i = 0; i < nbatch; i++)
+        if (batch[i]->blocking_seq && (!oldest || batch[i]->blocking_seq < oldest->blocking_seq))
+            oldest = batch[i];
+    for (size_t i = 0; i < n->pending.capacity; i++) {
+        const rs_pending_t *p = n->pending.keys[i] ? n->pending.values[i] : NULL;
+        if (p && p->mine && p->mine->blocking_seq &&
+            (!oldest || p->mine->blocking_seq < oldest->blocking_seq))
+            oldest = p->mine;
+    }
+    out[0] = oldest ? oldest->blocking_seq : 0;
+    out[1] = oldest ? rs_fnv1a(oldest->name, strlen(oldest->name)) : 0;
+}
+
+static const round_header_t *header_of(const char *gathered, size_t record_bytes, int r) {
+    return (const round_header_t *)(gathered + (size_t)r * record_bytes);
+}
+
+/* The pending tensor that rank r submitted under a name hashing to `hash`, or NULL. */
+static rs_pending_t *submitted_by(const rs_negotiator_t *n, int r, uint64_t hash) {
+    for (size_t i = 0; i < n->pending.capacity; i++) {
+        rs_pending_t *p = n->pending.keys[i] ? n->pending.values[i] : NULL;
+        if (p && p->submitted[r] && !rs_pending_is_p2p(p) &&
+            rs_fnv1a(p->name, strlen(p->name)) == hash)
+            return p;
+    }
+    return NULL;
+}
+
+static const char *failed_blocking_text(const rs_negotiator_t *n, uint64_t seq) {
+    for (int i = 0; i < RS_FAILED_BLOCKING_KEEP; i++)
+        if (n->failed_blocking[i] == seq && n->failed_blocking_text[i])
+            return n->failed_blocking_text[i];
+    return NULL;
+}
+
+static rs_status_t remember_failed_blocking(rs_negotiator_t *n, uint64_t seq, char *text) {
+    int at = n->failed_blocking_next;
+    free(n->failed_blocking_text[at]);
+    n->failed_blocking[at] = seq;
+    n->failed_blocking_text[at] = text;
+    n->failed_blocking_next = (at + 1) % RS_FAILED_BLOCKING_KEEP;
+    return RS_OK;
+}
+
+/* Fail the tensor rank r waits for as its blocking call (every rank does the same). */
+static rs_status_t fail_blocking(rs_negotiator_t *n, int r, uint64_t hash, const char *text,
+                                 pending_list_t *touched) {
+    rs_pending_t *p = submitted_by(n, r, hash);
+    if (!p || p->failure)
+        return RS_OK;
+    if (!(p->failure = strdup(text)) || list_add(touched, p) != 0)
+        return RS_ERR_NOMEM;
+    return RS_OK;
+}
+
+static char *out_of_order_text(const rs_negotiator_t *n, int a, uint64_t hash_a, int b,
+                               uint64_t hash_b) {
+    const rs_pending_t *pa = submitted_by(n, a, hash_a), *pb = submitted_by(n, b, hash_b);
+    return rs_strdup_printf("Mismatched blocking collectives: rank %d called %s '%.200s', rank %d "
+                            "called %s '%.200s' (every rank must make blocking collectives in "
+                            "the same order)", a, pa ? rs_kind_name(pa->metas[a].kind) : "?",
+                            pa ? pa->name : "?", b, pb ? rs_kind_name(pb->metas[b].kind) : "?",
+                            pb ? pb->name : "?");
+}
+
+static rs_status_t check_blocking_order(rs_negotiator_t *n, const char *gathered,
+                                        size_t record_bytes, pending_list_t *touched) {
+    for (int a = 0; a < n->size; a++) {
+        const round_header_t *ha = header_of(gathered, record_bytes, a);
+        if (!ha->blocking_seq)
+            continue;
+        for (int b = a + 1; b < n->size; b++) {
+            const round_header_t *hb = header_of(gathered, record_bytes, b);
+            if (hb->blocking_seq != ha->blocking_seq || hb->blocking_hash == ha->blocking_hash)
+                continue;
+            char *text = out_of_order_text(n, a, ha->blocking_hash, b, hb->blocking_hash);
+            if (!text)
+                return RS_ERR_NOMEM;
+            remember_failed_blocking(n, ha->blocking_seq, text);
+            break;
+        }
+    }
+    for (int r = 0; r < n->size; r++) { /* every rank waiting for a failed call fails it */
+        const round_header_t *h = header_of(gathered, record_bytes, r);
+        const char *text = h->blocking_seq ? failed_blocking_text(n, h->blocking_seq) : NULL;
+        if (text)
+            RS_CHECK(fail_blocking(n, r, h->blocking_hash, text, touched));
+    }
+    return RS_OK;
+}
+
 rs_status_t rs_negotiate(rs_comm_t *comm, rs_negotiator_t *n, rs_work_t **batch, int nbatch,
                          rs_pending_t ***ready, int *nready) {
     size_t words = bitset_words(n);
@@ -395,10 +503,14 @@ rs_status_t rs_negotiate(rs_comm_t *comm, rs_negotiator_t *n, rs_work_t **batch,
         RS_CHECK_GOTO(rs_map_put(&mine, batch[i]->name, batch[i]) == 0 ? RS_OK : RS_ERR_NOMEM,
                       st, out);
     RS_CHECK_GOTO(encode(n, batch, nbatch, bits, &payload, &payload_bytes), st, out);
-    RS_CHECK_GOTO(exchange(comm, n, bits, words, payload, payload_bytes, &gathered_bits,
-                           &gathered_payload, &sizes), st, out);
+    uint64_t blocking[2];
+    oldest_blocking(n, batch, nbatch, blocking);
+    RS_CHECK_GOTO(exchange(comm, n, bits, words, payload, payload_bytes, blocking,
+                           &gathered_bits, &gathered_payload, &sizes), st, out);
     RS_CHECK_GOTO(decode_round(comm, n, gathered_bits, gathered_payload, sizes, words, &mine,
                                &touched), st, out);
+    RS_CHECK_GOTO(check_blocking_order(n, gathered_bits, sizeof(round_header_t) + words * 8,
+                                       &touched), st, out);
     st = collect_ready(n, &touched, ready, nready);
 out:
     if (st == RS_ERR_NOMEM)
@@ -527,6 +639,8 @@ static char *refused(const rs_pending_t *p, int size) {
 }
 
 char *rs_check_agreement(const rs_pending_t *p, int size) {
+    if (p->failure)
+        return rs_strdup_printf("%s", p->failure);
     char *refusal = refused(p, size);
     if (refusal)
         return refusal;

@@ -313,7 +313,9 @@ def test_a_failing_rank_does_not_hang_the_others():
 
 
 def _names_differ(comm):
-    comm.allreduce(np.ones(4), name=f"only.rank{comm.rank()}")  # waits for peers forever
+    # Asynchronous calls are matched by name (blocking ones in call order, which would fail
+    # at once): each waits for peers that never submit its name.
+    comm.synchronize(comm.allreduce_async(np.ones(4), name=f"only.rank{comm.rank()}"))
 
 
 def test_a_hang_fails_at_the_deadline_showing_where_each_rank_was():
