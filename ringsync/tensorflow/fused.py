@@ -32,7 +32,8 @@ from ringsync._adapters import check_differentiable, grad_name
 from ringsync.errors import MismatchError, RingsyncError
 
 from .compression import Compression
-from .mpi_ops import PS, _allreduce_sparse, _comm, _grouped_allreduce, _tensorflow_error
+from .mpi_ops import (PS, _allreduce_sparse, _comm, _grouped_allreduce, _tensorflow_error,
+                      in_build_order)
 
 _ALIGN = 64  # TensorFlow adopts a returned array without a copy when it is this aligned
 _last_fused = weakref.WeakKeyDictionary()  # graph -> its latest fused op (see Order)
@@ -110,12 +111,11 @@ def _call(reduce, flats):
     that runs after the graph's previous one (see Order)."""
     if tf.executing_eagerly():
         return [tf.convert_to_tensor(r) for r in reduce(*[f.numpy() for f in flats])]
-    graph = tf.compat.v1.get_default_graph()
-    before = _last_fused.get(graph)
-    with tf.control_dependencies([before] if before is not None else []):
-        out = tf.numpy_function(reduce, flats, [f.dtype for f in flats], stateful=True,
-                                name="ringsync_fused_allreduce")
-    _last_fused[graph] = out[0].op
+    # (in a tf.function, after the function's previous fused call; in a TF1-style graph,
+    # after its previous collective of any kind)
+    out = in_build_order(lambda: tf.numpy_function(
+        reduce, flats, [f.dtype for f in flats], stateful=True,
+        name="ringsync_fused_allreduce"), _last_fused if tf.inside_function() else None)
     for y, f in zip(out, flats):
         y.set_shape(f.shape)
     return out

@@ -9,6 +9,7 @@ import tensorflow as tf
 from ringsync import Average, ReduceOp
 from ringsync._adapters import groups_from_num_groups, near_equal_runs
 from ringsync.errors import UsageError
+from ringsync.process_sets import ProcessSet
 
 from .compression import Compression
 from .fused import fused_allreduce
@@ -54,8 +55,11 @@ class GradientReducer:
 
     def reduce(self, grads, variables, name):
         """grads averaged (or summed) over the set; local variables' gradients only
-        scaled; None stays None."""
+        scaled; None stays None. On a rank outside the set, every gradient stays as it is
+        (Horovod's rule: that rank trains on its own gradients)."""
         grads = list(grads)
+        if _outside(self.process_set):
+            return grads
         variables = list(variables) if variables is not None else [None] * len(grads)
         out = list(grads)
         shared = []
@@ -115,6 +119,11 @@ class GradientReducer:
             key = group_of.get(variable_key(v), ("alone", i)) if v is not None else ("alone", i)
             runs.setdefault(key, []).append(i)
         return list(runs.values())
+
+
+def _outside(process_set) -> bool:
+    """Whether this rank is outside process_set (a Communicator is always its own)."""
+    return isinstance(process_set, ProcessSet) and process_set.included() is False
 
 
 def _check_groups(groups, what):

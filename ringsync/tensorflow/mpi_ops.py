@@ -21,6 +21,7 @@ process_set, in every function here: a ProcessSet (global_process_set by default
 ringsync Communicator. root_rank is a rank of the job, as in Horovod, also in a set.
 device_dense / device_sparse / ignore_name_scope are accepted for Horovod's signatures:
 tensors are staged through host memory, and names do not depend on name scopes."""
+import itertools
 import weakref
 
 import numpy as np
@@ -74,6 +75,22 @@ def _outermost_graph():
     return graph
 
 
+_plain_graphs = weakref.WeakKeyDictionary()  # TF1-style tf.Graph -> its number
+_plain_graph_numbers = itertools.count()
+
+
+def _graph_name(graph) -> str:
+    """A traced function's graph is named after the function; a TF1-style tf.Graph (run
+    by a tf.compat.v1.Session) has no name, so it is numbered in the order collectives
+    are first built in one (the same on every rank that builds its graphs alike)."""
+    name = getattr(graph, "name", None)
+    if name is not None:
+        return name
+    if graph not in _plain_graphs:
+        _plain_graphs[graph] = next(_plain_graph_numbers)
+    return f"graph{_plain_graphs[graph]}"
+
+
 def _name(name, what):
     """The name a collective travels under: the user's, or (in a graph) its trace name;
     None eagerly, where the core matches unnamed calls by call order."""
@@ -82,7 +99,7 @@ def _name(name, what):
     graph = _outermost_graph()
     count = _graph_counts.get(graph, 0)
     _graph_counts[graph] = count + 1
-    return f"tf.{what}.{graph.name}.{count}"
+    return f"tf.{what}.{_graph_name(graph)}.{count}"
 
 
 def _host(t) -> np.ndarray:
@@ -104,11 +121,47 @@ def _run(fn, tensors, out_dtypes, what):
     def call(*args):
         return fn(*[_host(a) for a in args], blocking=False)
 
-    return tf.py_function(call, list(tensors), out_dtypes, name=f"ringsync_{what}")
+    return in_build_order(lambda: tf.py_function(call, list(tensors), out_dtypes,
+                                                 name=f"ringsync_{what}"))
+
+
+_last_collective = weakref.WeakKeyDictionary()  # TF1-style graph -> its latest collective
+
+
+def in_build_order(make, chain=None):
+    """make() (an op's outputs), run after the collective built before it in the same
+    TF1-style graph (chain: a graph -> last op map of the caller's own, for any graph).
+    A Session runs independent ops in any order on a few threads: two ranks whose threads
+    all wait in different collectives would wait for each other for ever. (tf.function
+    runs stateful ops in program order itself.)"""
+    if chain is None:
+        if tf.inside_function():
+            return make()
+        chain = _last_collective
+    graph = tf.compat.v1.get_default_graph()
+    before = chain.get(graph)
+    with tf.control_dependencies([before] if before is not None else []):
+        out = make()
+    chain[graph] = tf.nest.flatten(out)[0].op
+    return out
 
 
 def _comm(process_set):
     return _rs._comm(process_set)
+
+
+def _check_tensors(tensors, what):
+    """A clear error for a None among the tensors (a gradient that was not computed),
+    which TensorFlow would only call a value it cannot convert. Horovod's tape and
+    optimizer pass None gradients through; a collective has nothing to reduce."""
+    for i, t in enumerate(tensors):
+        if t is None:
+            where = f"tensors[{i}]" if len(tensors) > 1 else "tensor"
+            raise _tensorflow_error(UsageError(
+                f"ringsync.tensorflow.{what}: {where} is None (a gradient that was not "
+                f"computed? DistributedGradientTape and DistributedOptimizer pass None "
+                f"gradients through)"))
+    return tensors
 
 
 def _collective(method, blocking, process_set, *args):
@@ -174,6 +227,7 @@ def allreduce(tensor, average=None, device_dense='', device_sparse='',
     gathered (see _allreduce_sparse). Differentiable for Sum and Average."""
     op = resolve_op(average, op, "tensorflow.allreduce")
     _check_adasum(op, process_set, "allreduce")
+    _check_tensors([tensor], "allreduce")
     name = _name(name, "allreduce")
     if isinstance(tensor, tf.IndexedSlices):
         return _allreduce_sparse(tensor, op, prescale_factor, postscale_factor, name,
@@ -212,7 +266,7 @@ def grouped_allreduce(tensors, average=None, device_dense='', device_sparse='',
     of it. IndexedSlices among them are gathered, as allreduce does."""
     op = resolve_op(average, op, "tensorflow.grouped_allreduce")
     _check_adasum(op, process_set, "grouped_allreduce")
-    tensors = list(tensors)
+    tensors = _check_tensors(list(tensors), "grouped_allreduce")
     if not tensors:
         return []
     name = _name(name, "grouped_allreduce")
@@ -272,7 +326,8 @@ def _my_rows_of_mean(dys, ts, name, process_set):
 def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=PS):
     """Each tensor concatenated over the ranks along its first dimension, as one unit.
     Differentiable."""
-    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    tensors = [tf.convert_to_tensor(t)
+               for t in _check_tensors(list(tensors), "grouped_allgather")]
     if not tensors:
         return []
     name = _name(name, "grouped_allgather")
@@ -289,6 +344,7 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=P
 def allgather(tensor, name=None, ignore_name_scope=False, process_set=PS):
     """Every rank's tensor concatenated along the first dimension (ranks may differ in
     it). Differentiable."""
+    _check_tensors([tensor], "allgather")
     name = _name(name, "allgather")
     return grouped_allgather([tensor], name, ignore_name_scope, process_set)[0]
 
@@ -306,6 +362,7 @@ def _broadcast(t, root_rank, name, process_set):
 def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set=PS):
     """root_rank's tensor on every rank. Differentiable: the root gets the ranks'
     gradients averaged, the others zeros (Horovod's rule)."""
+    _check_tensors([tensor], "broadcast")
     name = _name(name, "broadcast")
 
     @tf.custom_gradient
@@ -323,14 +380,24 @@ def broadcast_(variables, root_rank, name=None, process_set=PS):
     """root_rank's values assigned to variables (a list, or one variable) on every rank;
     returns their new values."""
     single = isinstance(variables, tf.Variable)
-    variables = [variables] if single else list(variables)
+    variables = _check_tensors([variables] if single else list(variables), "broadcast_")
     name = _name(name, "broadcast_")
     values = []
     for i, v in enumerate(variables):
-        v.assign(_broadcast(tf.convert_to_tensor(v), root_rank,
-                            None if name is None else f"{name}.{i}", process_set))
-        values.append(v.read_value())
+        values.append(assign(v, _broadcast(tf.convert_to_tensor(v), root_rank,
+                                           None if name is None else f"{name}.{i}",
+                                           process_set)))
     return values[0] if single else values
+
+
+def assign(variable, value):
+    """Assign value to variable; returns its new value, read after the assignment (a
+    TF1-style graph has no automatic control dependencies to order the two)."""
+    if tf.executing_eagerly() or tf.inside_function():
+        variable.assign(value)
+        return tf.convert_to_tensor(variable)  # (a Keras 3 Variable has no read_value)
+    with tf.control_dependencies([variable.assign(value, read_value=False)]):
+        return tf.identity(variable.read_value())
 
 
 # ---------------------------------------------------------------------------- reducescatter
@@ -365,6 +432,7 @@ def reducescatter(tensor, device_dense='', compression=Compression.none, op=Aver
     """tensor reduced over the ranks, then split along the first dimension: rank r gets
     its share of the rows (the first ranks one more where they do not divide evenly).
     Differentiable for Sum and Average."""
+    _check_tensors([tensor], "reducescatter")
     name = _name(name, "reducescatter")
     wire, ctx = compression.compress(tf.convert_to_tensor(tensor))
     out = _grouped_reducescatter([wire], op, prescale_factor, postscale_factor, name,
@@ -375,7 +443,7 @@ def reducescatter(tensor, device_dense='', compression=Compression.none, op=Aver
 def grouped_reducescatter(tensors, device_dense='', compression=Compression.none, op=Average,
                           process_set=PS, prescale_factor=1.0, postscale_factor=1.0, name=None):
     """reducescatter of a list of tensors as one unit."""
-    tensors = list(tensors)
+    tensors = _check_tensors(list(tensors), "grouped_reducescatter")
     if not tensors:
         return []
     name = _name(name, "grouped_reducescatter")
@@ -404,7 +472,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
     received from each rank), as Horovod's; without, only the rows, the first dimension
     split as evenly as possible (the first ranks send one more row where it does not
     divide). Differentiable: the gradient travels back the way the rows came."""
-    x = tf.convert_to_tensor(tensor)
+    x = tf.convert_to_tensor(_check_tensors([tensor], "alltoall")[0])
     name = _name(name, "alltoall")
     given = splits is not None
     if given:
@@ -435,20 +503,29 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
 
 def join():
     """This rank has run out of data: it takes part in the other ranks' allreduces with
-    zeros until every rank has joined. Returns the last rank to join (an int32 tensor)."""
-    return tf.constant(_rs.join(), tf.int32)
+    zeros until every rank has joined. Returns the last rank to join (an int32 tensor;
+    in a graph, an op that joins when it runs, as Horovod's)."""
+    return _query_op(_rs.join, "ringsync_join", collective=True)
 
 
 def barrier(process_set=PS):
-    """Returns once every rank of the set has called barrier()."""
-    _comm(process_set).barrier()
+    """Returns once every rank of the set has called barrier() (in a graph: an op that
+    waits when it runs; run it, as any op of a TF1-style graph)."""
+    def wait():
+        _comm(process_set).barrier()
+        return 0
+    out = _query_op(wait, "ringsync_barrier", collective=True)
+    return None if tf.executing_eagerly() else out
 
 
-def _query_op(query, name):
-    """An int32 op that asks at run time (its value may change with elastic recovery)."""
+def _query_op(query, name, collective=False):
+    """An int32 op that asks at run time (its value may change with elastic recovery);
+    a collective one runs in build order (see in_build_order)."""
     if tf.executing_eagerly():
         return tf.constant(query(), tf.int32)
-    return tf.py_function(lambda: np.int32(query()), [], tf.int32, name=name)
+    def make():
+        return tf.py_function(lambda: np.int32(query()), [], tf.int32, name=name)
+    return in_build_order(make) if collective else make()
 
 
 def size_op(process_set_id=0, name=None):

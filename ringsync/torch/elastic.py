@@ -72,14 +72,19 @@ def _clone(state_dict):
 
 
 class ElasticSampler(torch.utils.data.Sampler):
-    """Shards a dataset over the current ranks and, after a recovery, reshards the
-    samples of the epoch that no rank has processed yet over the new rank set.
+    """Horovod's ElasticSampler: shards a dataset over the current ranks and, after a
+    recovery, reshards what no rank has processed yet of the epoch over the new ranks.
 
-    Call record_batch(batch_idx, batch_size) after each batch (batch_idx counts from the
-    last reset) and set_epoch(e) when a new epoch starts; keep the sampler in the
-    elastic State so that its progress is committed and restored with the model. Every
-    rank gets the same number of samples (the last ones repeat a few, like
-    DistributedSampler), so ranks stay in step.
+    Keep it in the elastic State (its progress is committed and restored with the model),
+    call record_batch(batch_idx, batch_size) after each batch and set_epoch(e) when epoch
+    e starts. Every rank gets the same number of samples (the last ones repeat a few, as
+    with DistributedSampler), so ranks stay in step.
+
+    Horovod's attributes: epoch, processed_num (samples of this epoch done by all ranks:
+    the first processed_num of the epoch's order, since shards are strided), num_replicas,
+    rank, remaining_indices (the epoch's order less what is done), num_samples (this
+    rank's share), total_size (num_samples * num_replicas), indices (this rank's share),
+    processed_indices (what record_indices recorded: Horovod's older way).
     """
 
     def __init__(self, dataset, shuffle: bool = True, seed: int = 0):
@@ -87,9 +92,13 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.shuffle = shuffle
         self.seed = seed
         self.epoch = 0
-        self.processed = set()   # dataset indices done this epoch, before the last reshard
-        self.num_replicas = 1    # the rank count of the last reshard
-        self.done_here = 0       # samples of each rank's shard done since then
+        self.processed_num = 0
+        self.processed_indices = set()
+        self.num_replicas = 0
+        self.rank = 0
+        self.remaining_indices: List[int] = []
+        self.num_samples = 0
+        self.total_size = 0
         self.indices: List[int] = []
         self.reset()
 
@@ -100,9 +109,6 @@ class ElasticSampler(torch.utils.data.Sampler):
         generator.manual_seed(self.seed + self.epoch)
         return torch.randperm(len(self.dataset), generator=generator).tolist()
 
-    def _remaining(self) -> List[int]:
-        return [i for i in self._epoch_order() if i not in self.processed]
-
     @staticmethod
     def _shard(remaining: List[int], replicas: int, rank: int) -> List[int]:
         if not remaining:
@@ -112,44 +118,54 @@ class ElasticSampler(torch.utils.data.Sampler):
         return padded[:per_rank * replicas][rank::replicas]
 
     def reset(self) -> None:
-        """Fold every rank's progress into `processed` (ranks move in step, so each
-        has done `done_here` samples of its shard) and reshard the rest over the current
-        ranks."""
-        if self.done_here:
-            remaining = self._remaining()
-            for r in range(self.num_replicas):
-                self.processed.update(self._shard(remaining, self.num_replicas, r)[:self.done_here])
+        """Reshard what is left of the epoch over the current ranks (a recovery, a new
+        epoch and load_state_dict call it)."""
         self.num_replicas = _rs.size() if _rs.is_initialized() else 1
-        rank = _rs.rank() if _rs.is_initialized() else 0
-        self.done_here = 0
-        self.indices = self._shard(self._remaining(), self.num_replicas, rank)
+        self.rank = _rs.rank() if _rs.is_initialized() else 0
+        done = self.processed_indices
+        self.remaining_indices = [i for i in self._epoch_order()[self.processed_num:]
+                                  if i not in done]
+        self.num_samples = math.ceil(len(self.remaining_indices) / self.num_replicas)
+        self.total_size = self.num_samples * self.num_replicas
+        self.indices = self._shard(self.remaining_indices, self.num_replicas, self.rank)
 
     def set_epoch(self, epoch: int) -> None:
-        """Start epoch `epoch` (a no-op if it is the current one, so calling it at the top
-        of the epoch loop after a restore keeps the restored progress)."""
+        """Start epoch `epoch`: its own order, nothing processed. (Unlike Horovod's, a
+        no-op for the current epoch, so calling it at the top of the epoch loop after a
+        restore keeps the restored progress instead of starting the epoch over.)"""
         if epoch == self.epoch:
             return
-        self.epoch, self.processed, self.done_here = epoch, set(), 0
+        self.epoch, self.processed_num, self.processed_indices = epoch, 0, set()
         self.reset()
 
     def record_batch(self, batch_idx: int, batch_size: int) -> None:
-        """Batches 0..batch_idx of this reshard's iteration are done."""
-        self.done_here = min(len(self.indices), (batch_idx + 1) * batch_size)
+        """One more batch of batch_size samples done on every rank (Horovod's count)."""
+        self.processed_num += batch_size * self.num_replicas
+
+    def record_indices(self, indices) -> None:
+        """These dataset indices are done (Horovod's older API; reset() leaves them out)."""
+        self.processed_indices.update(int(i) for i in indices)
+
+    def get_indices(self, batch_idx: int, batch_size: int) -> List[int]:
+        """This rank's dataset indices of batch batch_idx since the last reset."""
+        start = batch_idx * batch_size
+        return self.indices[start:min(start + batch_size, len(self.indices))]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.indices)
 
     def __len__(self) -> int:
-        return len(self.indices)
+        return self.num_samples
 
     def state_dict(self):
-        return {"epoch": self.epoch, "processed": sorted(self.processed),
-                "num_replicas": self.num_replicas, "done_here": self.done_here,
-                "seed": self.seed, "shuffle": self.shuffle}
+        return {"epoch": self.epoch, "processed_num": self.processed_num,
+                "processed_indices": sorted(self.processed_indices), "seed": self.seed,
+                "shuffle": self.shuffle}
 
     def load_state_dict(self, state) -> None:
-        """Take a saved (or rank 0's) progress and reshard it over the current ranks."""
-        self.epoch, self.seed, self.shuffle = state["epoch"], state["seed"], state["shuffle"]
-        self.processed = set(state["processed"])
-        self.num_replicas, self.done_here = state["num_replicas"], state["done_here"]
+        """Take a saved (or rank 0's) progress, also Horovod's {epoch, processed_num}, and
+        reshard it over the current ranks."""
+        self.epoch, self.processed_num = state["epoch"], state["processed_num"]
+        self.processed_indices = set(state.get("processed_indices", ()))
+        self.seed, self.shuffle = state.get("seed", self.seed), state.get("shuffle", self.shuffle)
         self.reset()

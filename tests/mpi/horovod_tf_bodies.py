@@ -406,3 +406,165 @@ def sync_batch_norm_uses_the_global_batch():
         _close(g, r.numpy(), rtol=1e-6, what="gradients")
     _close(sync(x, training=False), plain(x, training=False).numpy(), what="inference")
     hvd.shutdown()
+
+
+def _in_session(build):
+    """build() in a fresh TF1-style tf.Graph, its result run by a tf.compat.v1.Session
+    (after the graph's variables are initialised), as Horovod's own tests run every op."""
+    with tf.Graph().as_default():
+        out = build()
+        with tf.compat.v1.Session() as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            return session.run(out)
+
+
+def collectives_in_a_tf1_graph_session():
+    """Every collective built in a tf.Graph and run by a Session: results against numpy
+    references from every rank's input, gradients by Horovod's rules (tf.gradients), the
+    variable broadcasts as ops, DistributedGradientTape, join and the query ops."""
+    hvd.init()
+    me, size = hvd.rank(), hvd.size()
+    xs = [_x(r, (2 * size, 3)) for r in range(size)]
+    x = lambda: tf.constant(xs[me])  # noqa: E731
+    _close(_in_session(lambda: hvd.allreduce(x(), op=hvd.Sum)), sum(xs), what="Sum")
+    got = _in_session(lambda: [hvd.allreduce(x(), name="g.avg"), hvd.allreduce(x(), op=hvd.Max)])
+    _close(got[0], sum(xs) / size, what="Average")
+    _close(got[1], np.max(xs, axis=0), what="Max")
+    got = _in_session(lambda: hvd.grouped_allreduce([x(), 2 * x()], op=hvd.Sum))
+    _close(got[1], 2 * sum(xs), what="grouped")
+    rows = [_x(r, (r + 1, 2)) for r in range(size)]  # ranks differ in their first dimension
+    _close(_in_session(lambda: hvd.allgather(tf.constant(rows[me]))), np.concatenate(rows))
+    got = _in_session(lambda: hvd.grouped_allgather([tf.constant(rows[me]), x()]))
+    _close(got[1], np.concatenate(xs), what="grouped_allgather")
+    _close(_in_session(lambda: hvd.broadcast(x(), size - 1)), xs[size - 1], what="broadcast")
+    mine = slice(2 * me, 2 * me + 2)
+    _close(_in_session(lambda: hvd.reducescatter(x(), op=hvd.Sum)), sum(xs)[mine])
+    splits = [(me + r) % 2 + 1 for r in range(size)]  # rows this rank sends to rank r
+    sent = [_x(me, (sum(splits), 3), salt=1)]
+
+    def exchange():
+        return hvd.alltoall(tf.constant(sent[0]), splits=splits)
+
+    out, received = _in_session(exchange)
+    counts = [(r + me) % 2 + 1 for r in range(size)]  # rows rank r sends to this rank
+    want = np.concatenate([_x(r, (sum((r + q) % 2 + 1 for q in range(size)), 3), salt=1)
+                           [sum((r + q) % 2 + 1 for q in range(me)):][:counts[r]]
+                           for r in range(size)])
+    _close(out, want, what="alltoall")
+    assert list(received) == counts, (received, counts)
+    _close(_in_session(lambda: hvd.alltoall(x())), np.concatenate([v[mine] for v in xs]))
+    _tf1_gradients_and_variables(me, size, xs)
+    hvd.shutdown()
+
+
+def _tf1_gradients_and_variables(me, size, xs):
+    def grads():
+        v = tf.Variable(xs[me])
+        summed = hvd.allreduce(v * v, op=hvd.Sum)
+        gathered = hvd.allgather(v)
+        root = hvd.broadcast(v, 0)
+        return tf.gradients(tf.reduce_sum(summed) + tf.reduce_sum(gathered ** 2) +
+                            tf.reduce_sum(root * (me + 1)), v)[0]
+
+    # d/dv: sum over ranks of 2v (allreduce of ones, times 2v); 2v (the rows' own upstream,
+    # the same on every rank, averaged); the root gets the mean of the (r + 1)s.
+    want = 2 * size * xs[me] + 2 * xs[me] + (np.mean(np.arange(1, size + 1)) if me == 0 else 0)
+    _close(_in_session(grads), want, what="tf.gradients")
+
+    def tape():
+        v = tf.Variable(xs[me])
+        with tf.GradientTape() as plain:
+            loss = tf.reduce_sum(v * v)
+        return hvd.DistributedGradientTape(plain).gradient(loss, [v])[0]
+
+    _close(_in_session(tape), 2 * sum(xs) / size, what="DistributedGradientTape")
+
+    with tf.Graph().as_default():  # the variable broadcasts, one session.run each
+        a, b = tf.Variable(xs[me]), tf.Variable(xs[me] + 1)
+        to_a = hvd.broadcast_variables([a], size - 1)
+        to_b = hvd.broadcast_([b], size - 1)
+        with tf.compat.v1.Session() as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            assert session.run(to_a) is None  # (an op: tf.group)
+            _close(session.run(a), xs[size - 1], what="broadcast_variables")
+            _close(session.run(to_b)[0], xs[size - 1] + 1, what="broadcast_ (its values)")
+            _close(session.run(b), xs[size - 1] + 1, what="broadcast_")
+
+    def every_variable():
+        variables = [tf.Variable(xs[me] + k) for k in range(3)]
+        with tf.control_dependencies([hvd.broadcast_global_variables(size - 1)]):
+            return [tf.identity(v) for v in variables]
+
+    for k, value in enumerate(_in_session(every_variable)):
+        _close(value, xs[size - 1] + k, what=f"broadcast_global_variables {k}")
+    got = _in_session(lambda: [hvd.size_op(), hvd.rank_op(), hvd.local_rank_op(), hvd.join()])
+    assert list(got[:3]) == [size, me, hvd.local_rank()] and got[3] in range(size), got
+
+
+def none_gradients_pass_through():
+    """Horovod's rule: DistributedGradientTape and the Keras DistributedOptimizer pass a
+    None gradient (a variable the loss does not use) through and reduce the others; a
+    collective given None says so, with ValueError (Horovod's class)."""
+    hvd.init()
+    me, size = hvd.rank(), hvd.size()
+    xs = [_x(r, (2, 2)) for r in range(size)]
+    for groups in (None, 2):
+        used, unused, other = (tf.Variable(np.ones((2, 2))) for _ in range(3))
+        with tf.GradientTape() as plain:
+            loss = tf.reduce_sum(used * xs[me]) + tf.reduce_sum(other * 2 * xs[me])
+        tape = hvd.DistributedGradientTape(plain, groups=groups)
+        g_used, g_unused, g_other = tape.gradient(loss, [used, unused, other])
+        assert g_unused is None, g_unused
+        _close(g_used, sum(xs) / size, what=f"groups={groups}")
+        _close(g_other, 2 * sum(xs) / size, what=f"groups={groups}")
+    used, unused = tf.Variable(np.ones((2, 2))), tf.Variable(np.ones((2, 2)))
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.5))
+    with warnings.catch_warnings():  # (Keras warns of the variable without a gradient)
+        warnings.simplefilter("ignore", UserWarning)
+        opt.apply([tf.constant(xs[me]), None], [used, unused])
+    _close(used, 1 - 0.5 * sum(xs) / size, what="optimizer")
+    _close(unused, np.ones((2, 2)), what="optimizer, None gradient")
+    for call, words in [(lambda: hvd.allreduce(None), "allreduce: tensor is None"),
+                        (lambda: hvd.grouped_allreduce([tf.ones(1), None]),
+                         "grouped_allreduce: tensors[1] is None"),
+                        (lambda: hvd.allgather(None), "allgather: tensor is None"),
+                        (lambda: hvd.broadcast(None, 0), "broadcast: tensor is None")]:
+        e = _raises(ValueError, call, words)
+        assert isinstance(e, tf.errors.InvalidArgumentError), type(e).__mro__
+    _close(hvd.allreduce(tf.constant(xs[me]), op=hvd.Sum), sum(xs), what="next call")
+    hvd.shutdown()
+
+
+def ranks_outside_the_tapes_set_keep_their_gradients():
+    """Horovod's rule: DistributedGradientTape / the Keras DistributedOptimizer given a
+    process set this rank is not in leave its gradients as they are; the members average
+    among themselves (also through the fused path and tf.function)."""
+    hvd.init()
+    me, size = hvd.rank(), hvd.size()
+    assert callable(hvd.elastic.run) and hvd.elastic.TensorFlowKerasState  # hvd.elastic.*
+    assert hvd.elastic.TensorFlowState and hvd.elastic.ObjectState
+    if size < 2:  # (every rank is in every set)
+        return hvd.shutdown()
+    members = hvd.add_process_set(list(range(size - 1)))  # all but the last rank
+    group = members.ranks if members.included() else [me]
+    xs = [_x(r, (2, 3)) for r in range(size)]
+    want = sum(xs[r] for r in group) / len(group)
+    v = tf.Variable(np.ones((2, 3)))
+
+    @tf.function
+    def traced(x):
+        with tf.GradientTape() as plain:
+            loss = tf.reduce_sum(v * x)
+        return hvd.DistributedGradientTape(plain, process_set=members).gradient(loss, [v])[0]
+
+    with tf.GradientTape() as plain:
+        loss = tf.reduce_sum(v * xs[me])
+    eager = hvd.DistributedGradientTape(plain, process_set=members).gradient(loss, [v])[0]
+    print(f"rank {me} (in the set: {members.included()}): gradient {eager.numpy().tolist()}")
+    _close(eager, want, what="tape")
+    _close(traced(tf.constant(xs[me])), want, what="tape in tf.function")
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), process_set=members)
+    opt.apply([tf.constant(xs[me])], [v])
+    _close(v, 1 - want, what="Keras DistributedOptimizer")
+    assert hvd.remove_process_set(members)
+    hvd.shutdown()

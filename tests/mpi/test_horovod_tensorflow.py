@@ -19,7 +19,8 @@ BODIES = ["collectives_eager_and_in_tf_function", "broadcast_variables_and_objec
           "gradients_by_horovods_rules", "errors_leave_the_next_call_working",
           "tape_and_optimizer_arguments", "process_sets_in_tensorflow",
           "sync_batch_norm_uses_the_global_batch", "gradients_fused_into_one_buffer",
-          "fused_mismatch_fails_every_rank_then_works"]
+          "fused_mismatch_fails_every_rank_then_works", "collectives_in_a_tf1_graph_session",
+          "none_gradients_pass_through", "ranks_outside_the_tapes_set_keep_their_gradients"]
 
 
 @pytest.mark.parametrize("np", [1, 3])

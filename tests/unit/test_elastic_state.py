@@ -68,20 +68,47 @@ def test_run_needs_init_first():
 torch = pytest.importorskip("torch")
 
 
-def test_sampler_folds_every_ranks_progress_and_reshards_the_rest():
+def test_sampler_has_horovods_attributes_and_counts_processed_num():
     from ringsync.torch.elastic import ElasticSampler
     sampler = ElasticSampler(list(range(23)), shuffle=True, seed=5)
     order = list(sampler)
-    assert sorted(order) == list(range(23))
-    # As if 3 ranks had each done 4 samples of their shard when the job shrank to 1 rank.
-    saved = sampler.state_dict()
-    saved.update(num_replicas=3, done_here=4)
-    sampler.load_state_dict(saved)
-    shards = [ElasticSampler._shard(order, 3, r) for r in range(3)]
-    done = {i for shard in shards for i in shard[:4]}
-    assert len(done) == 12 and sampler.processed == done
-    assert sorted(sampler) == sorted(set(range(23)) - done)
-    assert len(sampler) == 11
+    assert sorted(order) == list(range(23)) and order != list(range(23))
+    assert (sampler.num_replicas, sampler.rank, sampler.epoch, sampler.processed_num) == \
+        (1, 0, 0, 0)
+    assert (sampler.num_samples, sampler.total_size, len(sampler)) == (23, 23, 23)
+    assert sampler.remaining_indices == order and sampler.indices == order
+    assert sampler.get_indices(1, 4) == order[4:8] and sampler.get_indices(5, 4) == order[20:]
+    sampler.record_batch(0, 4)
+    sampler.record_batch(1, 4)
+    assert sampler.processed_num == 8 and sampler.state_dict()["processed_num"] == 8
+    sampler.reset()  # what is left: the rest of the epoch's order
+    assert sampler.remaining_indices == order[8:] and list(sampler) == order[8:]
+    assert (sampler.num_samples, sampler.total_size) == (15, 15)
+
+
+def test_sampler_loads_horovods_state_dict_and_reshards_the_rest():
+    """Shards are strided, so what 3 ranks did (4 samples each) is the first 12 of the
+    order: Horovod's processed_num = 12 leaves exactly the others."""
+    from ringsync.torch.elastic import ElasticSampler
+    sampler = ElasticSampler(list(range(23)), shuffle=True, seed=5)
+    order = list(sampler)
+    done = {i for r in range(3) for i in ElasticSampler._shard(order, 3, r)[:4]}
+    assert done == set(order[:12])
+    sampler.load_state_dict({"epoch": 0, "processed_num": 12})  # (Horovod's keys only)
+    assert list(sampler) == order[12:] and len(sampler) == 11
+    sampler.load_state_dict({"epoch": 3, "processed_num": 0})
+    assert sampler.epoch == 3 and sorted(sampler) == list(range(23)) and list(sampler) != order
+
+
+def test_sampler_record_indices_leaves_them_out():
+    from ringsync.torch.elastic import ElasticSampler
+    sampler = ElasticSampler(list(range(10)), shuffle=False)
+    sampler.record_indices([3, 7])
+    sampler.reset()
+    assert list(sampler) == [0, 1, 2, 4, 5, 6, 8, 9] and sampler.processed_indices == {3, 7}
+    copy = ElasticSampler(list(range(10)), shuffle=False)
+    copy.load_state_dict(sampler.state_dict())
+    assert list(copy) == list(sampler)
 
 
 def test_sampler_shards_are_equal_and_cover_everything():
@@ -97,10 +124,10 @@ def test_sampler_set_epoch_starts_over_and_ignores_the_current_epoch():
     sampler = ElasticSampler(list(range(8)), shuffle=True, seed=1)
     sampler.record_batch(0, 4)
     sampler.set_epoch(0)  # the current epoch: progress kept
-    assert sampler.done_here == 4
+    assert sampler.processed_num == 4
     first = list(sampler)
     sampler.set_epoch(1)
-    assert sampler.done_here == 0 and sampler.processed == set()
+    assert sampler.processed_num == 0 and sampler.processed_indices == set()
     assert sorted(sampler) == list(range(8)) and list(sampler) != first
 
 
