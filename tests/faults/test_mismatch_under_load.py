@@ -20,19 +20,20 @@ BUSY_LOOP = "while True: pass"
 
 def stress_and_log(folder, rounds, path_env):
     """Every rank: the stress over MPI.COMM_WORLD, its log written to rank-<r>.log."""
-    os.environ.update(dict(item.split("=", 1) for item in path_env.split(",") if item))
-    comm = rs.Communicator()
+    os.environ.update(dict(item.split("=", 1) for item in path_env.split(",") if "=" in item))
+    comm = mismatches.TorchRanks() if path_env == "torch" else rs.Communicator()
     log = mismatches.stress(comm, int(rounds), seed=2600)
     with open(os.path.join(folder, f"rank-{comm.rank()}.log"), "w") as f:
         f.write("\n".join(log))
-    comm.shutdown()
+    rs.shutdown() if path_env == "torch" else comm.shutdown()
 
 
 def start_load(count):
     return [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(count)]
 
 
-@pytest.mark.parametrize("path_env", ["", "RINGSYNC_TRANSPORT=tcp"], ids=["lane", "engine"])
+@pytest.mark.parametrize("path_env", ["", "RINGSYNC_TRANSPORT=tcp", "torch"],
+                         ids=["lane", "engine", "ringsync.torch"])
 def test_mismatches_under_load_keep_the_ranks_matched(tmp_path, path_env):
     rounds = 1000
     load = start_load(os.cpu_count() or 2)

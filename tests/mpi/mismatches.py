@@ -43,6 +43,50 @@ def cases(comm):
     }
 
 
+def torch_cases(hvd):
+    """The same through ringsync.torch, as a Horovod user calls it (its own checks and
+    conversions come first)."""
+    import torch
+    n, odd = hvd.size(), hvd.rank() == 1
+    f32 = torch.arange(6, dtype=torch.float32) + hvd.rank()
+    rows = torch.arange(2 * n, dtype=torch.float64)
+    return {
+        "dtype": lambda: hvd.allreduce(f32.int() if odd else f32),
+        "shape": lambda: hvd.allreduce(f32[:5] if odd else f32),
+        "op": lambda: hvd.allreduce(f32, op=hvd.Max if odd else hvd.Sum),
+        "name": lambda: hvd.allreduce(f32, name="odd" if odd else "even"),
+        "root": lambda: hvd.broadcast(f32, 1 if odd else 0),
+        "root_out_of_range": lambda: hvd.broadcast(f32, n + 5 if odd else 0),
+        "splits_sum": lambda: hvd.alltoall(rows, torch.tensor([1] * n if odd else [2] * n)),
+        "rows_indivisible": lambda: hvd.alltoall(rows[:2 * n - 1] if odd else rows),
+        "alltoall_dtype": lambda: hvd.alltoall(rows.int() if odd else rows),
+        "allgather_shape": lambda: hvd.allgather(torch.zeros(2, 3 if odd else 2)),
+        "reducescatter_shape": lambda: hvd.reducescatter(torch.zeros(2 * n, 3 if odd else 2)),
+    }
+
+
+class TorchRanks:
+    """ringsync.torch's module-level API where stress wants a communicator."""
+
+    def __init__(self):
+        import ringsync.torch as hvd
+        hvd.init()
+        self.hvd, self.cases = hvd, torch_cases
+        self.rank, self.size = hvd.rank, hvd.size
+
+    def allreduce(self, x, op):
+        import torch
+        return self.hvd.allreduce(torch.from_numpy(x), op=op).numpy()
+
+    def broadcast(self, x, root):
+        import torch
+        return self.hvd.broadcast(torch.from_numpy(x), root).numpy()
+
+    def allgather(self, x):
+        import torch
+        return self.hvd.allgather(torch.from_numpy(x)).numpy()
+
+
 CASES = sorted(cases(type("Probe", (), {"size": lambda s: 2, "rank": lambda s: 0})()))
 
 
@@ -65,14 +109,17 @@ def correct_call(comm, i: int):
 def stress(comm, rounds: int, seed: int, max_delay: float = 0.002):
     """`rounds` mismatched calls, each followed by a correct one; per-rank random delays
     before each. Returns one line per mismatched call: its case and what this rank got."""
+    make = getattr(comm, "cases", cases)  # (TorchRanks: ringsync.torch's own)
+    table = make(getattr(comm, "hvd", comm))
+    names = sorted(table)
     order = random.Random(seed)  # the same sequence of cases on every rank
     delays = random.Random(seed * 1000 + comm.rank())
     log = []
     for i in range(rounds):
-        case = CASES[order.randrange(len(CASES))]
+        case = names[order.randrange(len(names))]
         time.sleep(delays.random() * max_delay)
         try:
-            cases(comm)[case]()
+            make(getattr(comm, "hvd", comm))[case]()
         except CommunicationError as exc:  # the ring broke: the ranks were not kept matched
             raise AssertionError(f"rank {comm.rank()}: case {case} (round {i}) broke the "
                                  f"communicator: {exc}") from exc
