@@ -355,8 +355,9 @@ static rs_status_t take_part(rs_engine_t *e, rs_pending_t **ready, int nready) {
             return rs_fail(e->comm, RS_ERR_COMM, "rank %d: out of memory", e->comm->rank);
         ready[i]->mine = w;
         w->status = (rs_status_t)-1;
-        if (e->timeline.file && !w->synthetic)
-            rs_timeline_span(&e->timeline, ready[i]->name, "NEGOTIATE", w->submitted_at, now);
+        if (e->timeline.file && !w->synthetic && !w->refusal)
+            rs_timeline_span(&e->timeline, w->meta.kind, ready[i]->name, RS_SPAN_NEGOTIATE,
+                             w->submitted_at, now);
     }
     return RS_OK;
 }

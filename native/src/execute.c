@@ -24,9 +24,10 @@ static size_t tensor_bytes(const rs_meta_t *m) {
     return (size_t)elements(m) * rs_dtype_size(m->dtype);
 }
 
-static void span(rs_executor_t *x, const rs_pending_t *p, const char *phase, double start) {
+static void span(rs_executor_t *x, const rs_pending_t *p, rs_span_t phase, double start) {
     if (x->timeline->file)
-        rs_timeline_span(x->timeline, p->name, phase, start, rs_now());
+        rs_timeline_span(x->timeline, p->metas[p->last_rank].kind, p->name, phase, start,
+                         rs_now());
 }
 
 /* ---- allreduce, fused ---- */
@@ -64,7 +65,7 @@ static rs_status_t allreduce_one(rs_executor_t *x, rs_pending_t *p) {
     double start = rs_now();
     rs_status_t st = reduce_buffer(x, p->mine->sendbuf, p->mine->recvbuf, (size_t)elements(m),
                                    m);
-    span(x, p, "RING", start);
+    span(x, p, RS_SPAN_RUN, start);
     return st;
 }
 
@@ -90,19 +91,19 @@ static rs_status_t allreduce_fused(rs_executor_t *x, rs_pending_t **group, int n
         size_t b = tensor_bytes(&group[i]->metas[0]);
         memcpy(fused + at, group[i]->mine->sendbuf, b);
         at += b;
-        span(x, group[i], "COPY_IN", start);
+        span(x, group[i], RS_SPAN_COPY_IN, start);
     }
     double start = rs_now();
     RS_CHECK(reduce_buffer(x, fused, fused, bytes / rs_dtype_size(m->dtype), m));
     for (int i = 0; i < n; i++)
-        span(x, group[i], "RING", start);
+        span(x, group[i], RS_SPAN_RUN, start);
     at = 0;
     for (int i = 0; i < n; i++) {
         start = rs_now();
         size_t b = tensor_bytes(&group[i]->metas[0]);
         memcpy(group[i]->mine->recvbuf, fused + at, b);
         at += b;
-        span(x, group[i], "COPY_OUT", start);
+        span(x, group[i], RS_SPAN_COPY_OUT, start);
     }
     return RS_OK;
 }
@@ -131,7 +132,7 @@ static rs_status_t run_allgather(rs_executor_t *x, rs_pending_t *p) {
     p->mine->result_rows = rows;
     out = NULL; /* the request's now */
 done:
-    span(x, p, "RING", start);
+    span(x, p, RS_SPAN_RUN, start);
     free(counts);
     free(out);
     return st;
@@ -183,7 +184,7 @@ static rs_status_t run_alltoall(rs_executor_t *x, rs_pending_t *p) {
     w->result_splits = recv_rows;
     out = recv_rows = NULL; /* the request's now */
 done:
-    span(x, p, "RING", start);
+    span(x, p, RS_SPAN_RUN, start);
     free(eights);
     free(send_bytes);
     free(recv_bytes);
@@ -206,7 +207,7 @@ static rs_status_t run_reducescatter(rs_executor_t *x, rs_pending_t *p) {
     double start = rs_now();
     rs_status_t st = rs_reducescatter(comm, p->mine->sendbuf, p->mine->recvbuf, counts, m->dtype,
                                       m->op, m->prescale, m->postscale);
-    span(x, p, "RING", start);
+    span(x, p, RS_SPAN_RUN, start);
     free(counts);
     return st;
 }
@@ -233,7 +234,7 @@ static rs_status_t run_single(rs_executor_t *x, rs_pending_t *p) {
         return allreduce_one(x, p);
     case RS_KIND_BROADCAST: {
         rs_status_t st = rs_broadcast(x->comm, p->mine->recvbuf, tensor_bytes(m), m->root);
-        span(x, p, "RING", start);
+        span(x, p, RS_SPAN_RUN, start);
         return st;
     }
     case RS_KIND_ALLGATHER:
@@ -324,7 +325,7 @@ static rs_status_t p2p_wave(rs_executor_t *x, rs_pending_t **ready, int nready, 
     double start = rs_now();
     rs_status_t st = nx ? rs_progress(comm, xfers, nx) : RS_OK;
     for (int k = 0; k < ng; k++)
-        span(x, group[k], comm->rank == group[k]->metas[comm->rank].root ? "SEND" : "RECV",
+        span(x, group[k], comm->rank == group[k]->metas[comm->rank].root ? RS_SPAN_SEND : RS_SPAN_RECV,
              start);
     return ng ? settle(x, group, ng, st) : st;
 }

@@ -87,6 +87,6 @@ rs_status_t rs_engine_try_lane(rs_engine_t *e, const char *name, const rs_reques
     rs_direct_unlock(lane);
     rs_timeline_t *timeline = rs_engine_timeline(e);
     if (*ran && timeline->file)
-        rs_timeline_span(timeline, name, "LANE", start, rs_now());
+        rs_timeline_span(timeline, r->kind, name, RS_SPAN_LANE, start, rs_now());
     return st == RS_OK ? RS_OK : report(e, st, &why);
 }

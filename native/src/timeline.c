@@ -1,8 +1,16 @@
 /* Timeline: Chrome-trace JSON (opens in Perfetto / chrome://tracing). One track per
  * tensor (a "thread" named after it) inside one process per rank; complete events
- * ("ph":"X") for each phase of the tensor's life. */
+ * ("ph":"X") for each phase of the tensor's life.
+ *
+ * Names follow Horovod's timeline, so that what a Horovod user looks for is there: a
+ * track is named `<kind>.<name>` (Horovod's name for a tensor: `allreduce.grad.w`; unnamed
+ * ones are `allreduce.noname.<n>` already), a tensor's phases are NEGOTIATE_ALLREDUCE,
+ * ALLREDUCE (the collective; on the same-host lane too, marked "path": "lane"),
+ * MEMCPY_IN_FUSION_BUFFER and MEMCPY_OUT_FUSION_BUFFER. */
 #define _GNU_SOURCE
+#include <ctype.h>
 #include <fcntl.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -76,6 +84,25 @@ void rs_timeline_stop(rs_timeline_t *t) {
     pthread_mutex_unlock(&t->mu);
 }
 
+/* "ALLREDUCE" for an allreduce (at most `cap` - 1 characters). */
+static void upper_kind(int kind, char *out, size_t cap) {
+    const char *name = rs_kind_name(kind);
+    size_t i = 0;
+    for (; name[i] && i + 1 < cap; i++)
+        out[i] = name[i] == ' ' ? '_' : (char)toupper((unsigned char)name[i]);
+    out[i] = '\0';
+}
+
+/* Horovod's name for the tensor: `<kind>.<name>`, unless name already starts so. Caller
+ * frees. */
+static char *track_name(int kind, const char *name) {
+    const char *prefix = rs_kind_name(kind);
+    size_t n = strlen(prefix);
+    if (strncmp(name, prefix, n) == 0 && name[n] == '.')
+        return strdup(name);
+    return rs_strdup_printf("%s.%s", prefix, name);
+}
+
 static int track_of(rs_timeline_t *t, const char *tensor) {
     intptr_t tid = (intptr_t)rs_map_get(&t->tids, tensor);
     if (tid)
@@ -101,17 +128,44 @@ void rs_timeline_cycle(rs_timeline_t *t, double now) {
     pthread_mutex_unlock(&t->mu);
 }
 
-void rs_timeline_span(rs_timeline_t *t, const char *tensor, const char *phase, double start,
-                      double end) {
+static void phase_name(rs_span_t phase, int kind, char *out, size_t cap) {
+    char upper[32];
+    upper_kind(kind, upper, sizeof upper);
+    switch (phase) {
+    case RS_SPAN_NEGOTIATE:
+        snprintf(out, cap, "NEGOTIATE_%s", upper);
+        break;
+    case RS_SPAN_COPY_IN:
+        snprintf(out, cap, "MEMCPY_IN_FUSION_BUFFER");
+        break;
+    case RS_SPAN_COPY_OUT:
+        snprintf(out, cap, "MEMCPY_OUT_FUSION_BUFFER");
+        break;
+    case RS_SPAN_SEND:
+        snprintf(out, cap, "SEND");
+        break;
+    case RS_SPAN_RECV:
+        snprintf(out, cap, "RECV");
+        break;
+    default:
+        snprintf(out, cap, "%s", upper);
+    }
+}
+
+void rs_timeline_span(rs_timeline_t *t, int kind, const char *name, rs_span_t phase,
+                      double start, double end) {
+    char *track = track_name(kind, name), what[64];
+    phase_name(phase, kind, what, sizeof what);
     pthread_mutex_lock(&t->mu);
-    if (t->file) {
-        int tid = track_of(t, tensor);
+    if (t->file && track) {
+        int tid = track_of(t, track);
         begin_event(t);
         fprintf(t->file, "{\"name\": \"%s\", \"ph\": \"X\", \"pid\": %d, \"tid\": %d, "
-                "\"ts\": %.3f, \"dur\": %.3f, \"args\": {\"tensor\": ", phase, t->rank, tid,
+                "\"ts\": %.3f, \"dur\": %.3f, \"args\": {\"tensor\": ", what, t->rank, tid,
                 start * 1e6, (end - start) * 1e6);
-        write_json_string(t->file, tensor);
-        fputs("}}", t->file);
+        write_json_string(t->file, track);
+        fputs(phase == RS_SPAN_LANE ? ", \"path\": \"lane\"}}" : "}}", t->file);
     }
     pthread_mutex_unlock(&t->mu);
+    free(track);
 }

@@ -230,10 +230,13 @@ def timeline_records_each_tensor():
     events = trace["traceEvents"]
     tracks = {e["tid"]: e["args"]["name"] for e in events
               if e.get("ph") == "M" and e["name"] == "thread_name"}
-    assert sorted(tracks.values()) == sorted(names + ["tl.bcast"]), tracks
+    # Horovod's names: tracks <kind>.<name>, phases NEGOTIATE_<KIND> then <KIND>.
+    assert sorted(tracks.values()) == sorted([f"allreduce.{n}" for n in names] +
+                                             ["broadcast.tl.bcast"]), tracks
     for tid, tensor in tracks.items():
+        kind = tensor.split(".")[0].upper()
         phases = [e["name"] for e in events if e.get("ph") == "X" and e["tid"] == tid]
-        assert phases[0] == "NEGOTIATE" and "RING" in phases, (tensor, phases)
+        assert phases[0] == f"NEGOTIATE_{kind}" and kind in phases, (tensor, phases)
         assert all(e["dur"] >= 0 for e in events if e.get("ph") == "X")
     rs.shutdown()
 

@@ -76,4 +76,5 @@ def test_timeline_from_the_environment(tmp_path):
     script.write_text(code)
     assert_mpi_ok(str(script), np=1, timeout=60, env={"RINGSYNC_TIMELINE": str(path)})
     events = json.loads(path.read_text())["traceEvents"]
-    assert [e["name"] for e in events if e.get("ph") == "X"].count("RING") == 3
+    assert [e["name"] for e in events if e.get("ph") == "X"].count("ALLREDUCE") == 3
+    assert {e["args"]["tensor"] for e in events if e.get("ph") == "X"} == {"allreduce.env.t"}

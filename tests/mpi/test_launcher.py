@@ -126,9 +126,9 @@ def test_horovodrun_options_reach_the_ranks(tmp_path):
     for rank in range(np_):
         tracks = {e["tid"]: e["args"]["name"] for e in events
                   if e["pid"] == rank and e["name"] == "thread_name"}
-        assert sorted(tracks.values()) == [f"hvd.{i}" for i in range(4)], (rank, tracks)
+        assert sorted(tracks.values()) == [f"allreduce.hvd.{i}" for i in range(4)], (rank, tracks)
         spans = [e for e in events if e["pid"] == rank and e["ph"] == "X"]
         assert {e["args"]["tensor"] for e in spans} == set(tracks.values())
-        assert {"NEGOTIATE", "RING"} <= {e["name"] for e in spans}, rank
+        assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE"} <= {e["name"] for e in spans}, rank
         assert any(e["name"] == "CYCLE_START" for e in events if e["pid"] == rank), rank
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "rank.py", "trace.json"]

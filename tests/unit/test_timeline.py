@@ -10,6 +10,7 @@ from ringsync._timeline import merge_traces
 from tests.thread_ranks import assert_ranks_ok
 
 NAMES = [f"tl.{i}" for i in range(3)]
+TRACKS = {f"allreduce.{name}" for name in NAMES}  # Horovod's names for them
 
 
 def record(comm, path, stop=True):
@@ -34,7 +35,7 @@ def test_stop_timeline_writes_every_ranks_events_to_one_file(tmp_path):
     path = tmp_path / "trace.json"
     assert_ranks_ok(record, 3, args=(path,), env={"RINGSYNC_TRANSPORT": "tcp"})
     events = json.loads(path.read_text())["traceEvents"]
-    assert tracks_by_rank(events) == {rank: set(NAMES) for rank in range(3)}
+    assert tracks_by_rank(events) == {rank: TRACKS for rank in range(3)}
     cycles = {e["pid"] for e in events if e.get("name") == "CYCLE_START"}
     assert cycles == {0, 1, 2}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.json"]  # no parts left
@@ -61,7 +62,7 @@ def test_an_aborted_ring_leaves_each_ranks_events_beside_the_path(tmp_path):
     for rank in range(2):
         events = json.loads((tmp_path / f"trace.json.rank{rank}").read_text())["traceEvents"]
         tracks = tracks_by_rank(events)
-        assert list(tracks) == [rank] and set(NAMES) <= tracks[rank]  # (and the barrier)
+        assert list(tracks) == [rank] and TRACKS <= tracks[rank]  # (and the barrier)
     assert not any(p.name.endswith(".part") for p in tmp_path.iterdir())
 
 
@@ -119,13 +120,14 @@ def test_the_file_is_valid_json_with_rank_0s_events_while_the_job_runs(tmp_path)
         for i, name in enumerate(names):
             comm.allreduce(np.full(8, comm.rank() + i, np.float32), name=name)
         if comm.rank() == 0:
-            seen["during"] = _wait_for_tracks(path, set(names[:200]))
+            seen["during"] = _wait_for_tracks(path, {f"allreduce.{n}" for n in names[:200]})
         comm.barrier()
         comm.stop_timeline()
     assert_ranks_ok(body, 3, env={"RINGSYNC_TRANSPORT": "tcp"})
     assert seen["during"] == {0}, seen  # only rank 0's, and every event of it valid JSON
     tracks = tracks_by_rank(json.loads(path.read_text())["traceEvents"])
-    assert sorted(tracks) == [0, 1, 2] and all(set(names) <= t for t in tracks.values())
+    assert sorted(tracks) == [0, 1, 2] and all({f"allreduce.{n}" for n in names} <= t
+                                               for t in tracks.values())
 
 
 def _wait_for_tracks(path, wanted, deadline_s=60.0):
