@@ -455,9 +455,16 @@ def grouped_reducescatter(tensors, device_dense='', compression=Compression.none
 
 # ---------------------------------------------------------------------------- alltoall
 
+def _even_splits(rows: int, size: int) -> np.ndarray:
+    """Rows per rank where they divide evenly, else none (an empty array)."""
+    return np.asarray(even_split(rows, size) if rows % size == 0 else [], np.int32)
+
+
 def _alltoall(t, splits, name, process_set):
     """(rows received, int32 rows received from each rank); splits: int32 per rank."""
     def exchange(a, sp, blocking):
+        if sp.size == 0:  # no even split (_even_splits): the core refuses it on every rank
+            _collective("alltoall_async", blocking, process_set, a, None, name)
         out, received = _collective("alltoall_async", blocking, process_set, a, sp, name)
         return [out, np.asarray(received, dtype=np.int32)]
 
@@ -470,8 +477,9 @@ def _alltoall(t, splits, name, process_set):
 def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_set=PS):
     """Rows splits[i] go to rank i. With splits, returns (rows received, int32 rows
     received from each rank), as Horovod's; without, only the rows, the first dimension
-    split as evenly as possible (the first ranks send one more row where it does not
-    divide). Differentiable: the gradient travels back the way the rows came."""
+    split evenly (one that the ranks do not divide fails on every rank, an
+    InvalidArgumentError as in Horovod). Differentiable: the gradient travels back the way
+    the rows came."""
     x = tf.convert_to_tensor(_check_tensors([tensor], "alltoall")[0])
     name = _name(name, "alltoall")
     given = splits is not None
@@ -480,9 +488,8 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
     else:
         rows = tf.shape(x)[0] if x.shape.rank else tf.constant(0)
         size = _comm(process_set).size()
-        splits = tf.py_function(lambda n: np.asarray(even_split(int(n), size), np.int32),
-                                [rows], tf.int32) if not tf.executing_eagerly() else \
-            tf.constant(even_split(int(rows), size), tf.int32)
+        splits = tf.py_function(lambda n: _even_splits(int(n), size), [rows], tf.int32) \
+            if not tf.executing_eagerly() else tf.constant(_even_splits(int(rows), size))
 
     @tf.custom_gradient
     def fn(t):

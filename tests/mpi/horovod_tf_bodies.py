@@ -239,6 +239,17 @@ def errors_leave_the_next_call_working():
     _close(hvd.allreduce(tf.ones([2]), op=hvd.Sum), np.full(2, size), what="after eager error")
     _raises(tf.errors.InvalidArgumentError, lambda: hvd.allreduce(tf.constant([True])), "dtype")
     _close(hvd.allreduce(tf.ones([2]), op=hvd.Sum), np.full(2, size), what="after bad input")
+    # Horovod's test_horovod_alltoall_equal_split_length_error: no splits and rows the
+    # ranks do not divide is an InvalidArgumentError, on every rank. Where only rank 1's
+    # rows do not divide, rank 1 gets that and the others, in the same call, the
+    # mismatch (FailedPrecondition) naming rank 1.
+    _raises(tf.errors.InvalidArgumentError, lambda: hvd.alltoall(tf.ones([size + 1])),
+            "not divisible")
+    rows = tf.ones([size * 2 + (me == 1)])
+    _raises(tf.errors.InvalidArgumentError if me == 1 else tf.errors.FailedPreconditionError,
+            lambda: hvd.alltoall(rows), "not divisible" if me == 1 else "refused on rank 1")
+    _close(hvd.alltoall(tf.fill([size], float(me))), np.arange(size, dtype=np.float64),
+           what="alltoall after the refused one")
 
     @tf.function
     def reduce(t):
