@@ -65,21 +65,33 @@ _skip_mpi_finalize_under_fault_tolerance()
 def init(comm=None, process_sets=None):
     """Build the ring over `comm` (an mpi4py intracommunicator; MPI.COMM_WORLD by default)
     and the process sets given (a list of ProcessSet, each a ring of its own; "dynamic" is
-    accepted: sets can always be added later). Calling it again while initialised does
-    nothing. In a replacement rank started by elastic recovery (--respawn), the default is
-    the communicator shared with the survivors."""
+    accepted: sets can always be added later). In a replacement rank started by elastic
+    recovery (--respawn), the default is the communicator shared with the survivors.
+
+    As Horovod's: MPI is initialised here if mpi4py was told not to do it
+    (mpi4py.rc.initialize = False); an init that fails (bad process sets) leaves ringsync
+    not initialised, on every rank; called again while initialised it builds nothing,
+    but the process sets given are checked and attached to the registered sets of the
+    same ranks."""
     if _default is not None and not _default.closed:
+        _process_sets.attach_registered(process_sets)
         return
+    from . import bootstrap
     own = False
     if comm is None:
-        from . import bootstrap
+        bootstrap.ensure_mpi_initialized()
         comm = bootstrap.replacement_world()
         own = comm is not None
     elif isinstance(comm, (list, tuple, range)):
         raise UsageError("ringsync.init: comm as a list of ranks is not supported; pass an "
                          "mpi4py communicator, or use a ProcessSet for a subset of ranks")
+    bootstrap.record_start()
     _start(comm, own)
-    _process_sets.attach(_default, process_sets)
+    try:
+        _process_sets.attach(_default, process_sets)
+    except BaseException:
+        shutdown()  # (every rank got the same refusal: the sets were agreed on)
+        raise
 
 
 def _start(comm, own_comm: bool, survivor: bool = False):
@@ -90,24 +102,33 @@ def _start(comm, own_comm: bool, survivor: bool = False):
     _default = None
     try:
         _default = Communicator(comm, own_comm=own_comm)
-    except Exception:
+    except Exception as e:
         if not own_comm or survivor:
             raise
         from . import bootstrap
         traceback.print_exc()
-        bootstrap.exit_as_failed()
+        bootstrap.exit_as_failed(cause=f"{type(e).__name__}: {e}")
+    _limit_mpi_waits(_default)
     if _default.size() > 1:
         _install_die_hard_excepthook()
     atexit.unregister(shutdown)  # once, however often the ring is rebuilt
     atexit.register(shutdown)
 
 
+def _limit_mpi_waits(comm: Communicator) -> None:
+    """From now on no exchange over the job's MPI communicator waits longer than the
+    start timeout for a rank that left the call, or never came to it."""
+    comm.rendezvous.limit_exchanges(comm.config.start_timeout_seconds)
+
+
 def shutdown():
     global _default
     if _default is not None:
+        from . import bootstrap
         _process_sets.detach()
         _default.shutdown()
         _default = None
+        bootstrap.record_job_event("finished")
 
 
 def is_initialized() -> bool:
@@ -142,26 +163,34 @@ def _install(comm: Communicator):
     global _default
     _process_sets.detach(abort=True)
     _default = comm
-    _process_sets.attach(comm)
+    _limit_mpi_waits(comm)
+    _process_sets.start_registry(comm)
 
 
 def _install_die_hard_excepthook():
     """An uncaught exception must end this rank at once: left to the interpreter, it would
     sit in MPI_Finalize while the peers wait for it forever. mpirun sees the non-zero exit
     and ends the job (under MPI fault tolerance the rank is killed instead, so that
-    elastic survivors recover without it); peers see the broken connection."""
+    elastic survivors recover without it, unless no other rank is left: see
+    bootstrap.exit_as_failed); peers see the broken connection."""
     from . import bootstrap
     previous = sys.excepthook
     if getattr(previous, "_ringsync_die_hard", False):
         return
 
     def die_hard(exc_type, exc, tb):
+        comms = []
         try:
             rank = _default.rank() if _default is not None else "?"
+            comms = [_default.mpi_comm] if _default is not None else []
             sys.stderr.write(f"ringsync: uncaught exception on rank {rank}; exiting this rank\n")
             traceback.print_exception(exc_type, exc, tb)
         finally:
-            bootstrap.exit_as_failed()
+            # Waiting to hear that the others are gone pays only where a peer's loss is
+            # what failed this rank; a rank's own bug ends it at once.
+            wait = None if issubclass(exc_type, CommunicationError) else 0.0
+            bootstrap.exit_as_failed(cause=f"{exc_type.__name__}: {exc}", comms=comms,
+                                     wait=wait)
 
     die_hard._ringsync_die_hard = True
     sys.excepthook = die_hard

@@ -3,19 +3,25 @@ addresses (MpiRendezvous) and (elastic jobs) agree on the surviving ranks after 
 
 MPI only carries a few bytes per rank here; the native core's own sockets carry the data.
 """
+import array
+import atexit
 import fcntl
 import ipaddress
+import json
+import math
 import os
+import pickle
 import secrets
 import signal
 import socket
 import struct
 import sys
+import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 from .config import log_enabled
-from .errors import UsageError
+from .errors import CommunicationTimeout, UsageError
 from .rendezvous import FaultTolerance, Rendezvous
 
 _SIOCGIFADDR = 0x8915  # Linux ioctl: the IPv4 address of a named interface
@@ -193,12 +199,21 @@ def topology(host_names: Sequence[str], rank: int) -> Topology:
 
 
 class MpiRendezvous(Rendezvous, FaultTolerance):
-    """The ranks of an mpi4py intracommunicator meet over MPI (what ringsync.init() uses)."""
+    """The ranks of an mpi4py intracommunicator meet over MPI (what ringsync.init() uses).
 
-    def __init__(self, comm, owned: bool):
+    timeout: seconds any one exchange may wait for the other ranks (None: no limit, as
+    while init() waits for ranks that start late). After init every exchange has one,
+    the start timeout (limit_exchanges): a rank that left a collective call, or never
+    came to it, must not leave the others in MPI forever (issue 26)."""
+
+    def __init__(self, comm, owned: bool, timeout: Optional[float] = None):
         """owned: comm is a duplicate made for us, freed by close()."""
         self._comm, self._owned = comm, owned
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.timeout = timeout
+        # An exchange that timed out: its request (and the buffers MPI may still write)
+        # kept alive; a later exchange here would pair with a late rank's old one.
+        self._stuck = None
 
     @classmethod
     def over(cls, comm=None, own_comm: bool = False) -> "MpiRendezvous":
@@ -213,11 +228,41 @@ class MpiRendezvous(Rendezvous, FaultTolerance):
                              f"got {type(comm).__name__}")
         return cls(comm, owned=False) if own_comm else cls(comm.Dup(), owned=True)
 
+    def limit_exchanges(self, seconds: Optional[float]) -> None:
+        """From now on every exchange fails after `seconds` without every rank."""
+        self.timeout = seconds
+
+    # Every exchange is a nonblocking MPI collective, also without a timeout: MPI never
+    # matches a blocking collective with a nonblocking one, and ranks of one communicator
+    # may differ in whether they have a timeout yet (a replacement rank in its init()).
+
     def allgather(self, obj):
-        return self._comm.allgather(obj)
+        return self._bounded("allgather", lambda deadline: bounded_allgather(
+            self._comm, obj, deadline))
 
     def bcast(self, obj, root: int = 0):
-        return self._comm.bcast(obj, root=root)
+        return self._bounded("broadcast", lambda deadline: bounded_bcast(
+            self._comm, obj, root, deadline))
+
+    def barrier(self) -> None:
+        """Wait for every rank (within the timeout, when there is one)."""
+        self._bounded("barrier", lambda deadline: wait_until(
+            self._comm.Ibarrier(), deadline))
+
+    def _bounded(self, what: str, exchange):
+        if self._stuck is not None:
+            raise CommunicationTimeout(
+                f"ringsync: rank {self.rank}: the MPI communicator of this ring is unusable: "
+                f"an earlier exchange timed out ({self._stuck[0]})")
+        try:
+            return exchange(math.inf if self.timeout is None
+                            else time.monotonic() + self.timeout)
+        except _Late as late:
+            text = (f"rank {self.rank}: not every one of the {self.size} ranks came to the "
+                    f"{what} within {self.timeout:g} s (RINGSYNC_START_TIMEOUT_SECONDS): every "
+                    f"rank must make the same ringsync calls in the same order")
+            self._stuck = (text, late.kept)
+            raise CommunicationTimeout(f"ringsync: {text}") from None
 
     def close(self) -> None:
         if self._owned:
@@ -228,12 +273,16 @@ class MpiRendezvous(Rendezvous, FaultTolerance):
                 pass
 
     def split(self, ranks):
+        """Every rank must call it with the same ranks (process_sets agrees on them first).
+        MPI has no nonblocking Comm_split: a bounded barrier first, so that Comm_split
+        starts only once every rank is there, and never waits long."""
         from mpi4py import MPI
         ranks = list(ranks)
         member = self.rank in ranks
+        self.barrier()
         sub = self._comm.Split(0 if member else MPI.UNDEFINED,
                                ranks.index(self.rank) if member else 0)
-        return MpiRendezvous(sub, owned=True) if member else None
+        return MpiRendezvous(sub, owned=True, timeout=self.timeout) if member else None
 
     @property
     def mpi_comm(self):
@@ -241,20 +290,89 @@ class MpiRendezvous(Rendezvous, FaultTolerance):
 
     def disconnect(self) -> None:
         """Collective: cut this communicator's ranks apart (MPI_Comm_disconnect), so that
-        ranks leaving the job can end without the others."""
+        ranks leaving the job can end without the others. (A bounded barrier first, as
+        before split.)"""
+        self.barrier()
         self._comm.Disconnect()
         self._owned = False  # nothing left to free
 
     def shrink(self):
         survivors, lost = shrink(self._comm)
-        return MpiRendezvous(survivors, owned=False), lost
+        return MpiRendezvous(survivors, owned=False, timeout=self.timeout), lost
 
     def spawn(self, count: int, hosts=None):
-        return MpiRendezvous(spawn_replacements(self._comm, count, hosts), owned=False)
+        # Unbounded: MPI has no nonblocking spawn; mpirun fails it if a process cannot start.
+        return MpiRendezvous(spawn_replacements(self._comm, count, hosts), owned=False,
+                             timeout=self.timeout)
 
     def allreduce_min(self, value: int) -> int:
-        from mpi4py import MPI
-        return self._comm.allreduce(value, op=MPI.MIN)
+        return self._bounded("agreement on a commit", lambda deadline: bounded_min(
+            self._comm, value, deadline))
+
+
+# --------------------------------------------------------------------------- bounded exchanges
+# Nonblocking MPI collectives polled against a deadline. MPI cannot cancel a collective:
+# on a timeout, _Late carries the request and its buffers, which the rendezvous then holds
+# (MPI may still write into them when a late rank arrives).
+
+
+class _Late(Exception):
+    def __init__(self, kept):
+        super().__init__("deadline passed")
+        self.kept = kept
+
+
+def wait_until(request, deadline: float, *buffers) -> None:
+    """Poll request until it completes; _Late (holding it and buffers) past deadline."""
+    pause = 1e-4
+    while not request.Test():
+        if time.monotonic() >= deadline:
+            raise _Late((request,) + buffers)
+        time.sleep(pause)
+        pause = min(pause * 2, 5e-3)  # a quick exchange stays quick; a slow one costs little
+
+
+def _offsets(sizes) -> List[int]:
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += size
+    return offsets
+
+
+def bounded_allgather(comm, obj, deadline: float):
+    """Every rank's obj (pickled), in rank order: lengths, then the bytes."""
+    from mpi4py import MPI
+    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    mine, sizes = array.array("q", [len(payload)]), array.array("q", [0] * comm.Get_size())
+    wait_until(comm.Iallgather([mine, MPI.INT64_T], [sizes, MPI.INT64_T]), deadline,
+               mine, sizes)
+    offsets = _offsets(sizes)
+    gathered = bytearray(sum(sizes))
+    wait_until(comm.Iallgatherv([payload, MPI.BYTE],
+                                [gathered, (list(sizes), offsets), MPI.BYTE]),
+               deadline, payload, gathered)
+    return [pickle.loads(gathered[o:o + n]) for o, n in zip(offsets, sizes)]
+
+
+def bounded_bcast(comm, obj, root: int, deadline: float):
+    """root's obj on every rank: its length, then its bytes."""
+    from mpi4py import MPI
+    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if comm.Get_rank() == root \
+        else b""
+    size = array.array("q", [len(payload)])
+    wait_until(comm.Ibcast([size, MPI.INT64_T], root=root), deadline, size)
+    data = bytearray(payload) if comm.Get_rank() == root else bytearray(size[0])
+    wait_until(comm.Ibcast([data, MPI.BYTE], root=root), deadline, data)
+    return pickle.loads(bytes(data))
+
+
+def bounded_min(comm, value: int, deadline: float) -> int:
+    from mpi4py import MPI
+    mine, smallest = array.array("q", [value]), array.array("q", [0])
+    wait_until(comm.Iallreduce([mine, MPI.INT64_T], [smallest, MPI.INT64_T], op=MPI.MIN),
+               deadline, mine, smallest)
+    return smallest[0]
 
 
 # --------------------------------------------------------------------------- fault tolerance
@@ -276,16 +394,155 @@ def spawned_by_mpi(environ=os.environ) -> bool:
     return "OMPI_PARENT_PORT" in environ
 
 
-def exit_as_failed(code: int = 1) -> None:
-    """End this process at once so that its peers see a failed rank. Under fault
-    tolerance that takes a signal (an exit status, even non-zero, reads as an orderly
-    end of the whole job there); otherwise the non-zero status makes mpirun end the job.
-    Never returns, never waits in MPI_Finalize."""
+def exit_as_failed(code: int = 1, cause: Optional[str] = None, comms=(),
+                   wait: Optional[float] = None) -> None:
+    """End this process at once so that its peers see a failed rank (code 0: a rank that
+    leaves a job that goes on). Never returns, never waits in MPI_Finalize.
+
+    The launcher's status directory gets a record first (the launcher names the failed
+    ranks from it). Without fault tolerance the non-zero status makes mpirun end the job.
+    Under it, any exit status ends the whole job (Open MPI 5, measured: a rank's exit 3
+    ends the others, mpirun exits 3) while a rank killed by a signal is a lost rank that
+    the others recover from, and mpirun then reports success once no rank is left; so a
+    failing rank kills itself, unless it is the last one alive (every other rank of
+    COMM_WORLD, and of `comms`, known to have failed, within `wait` seconds: by default
+    LAST_RANK_WAIT_S): then its status is the job's."""
+    record_job_event("failed" if code else "left", code=code, cause=cause)
     sys.stdout.flush()
     sys.stderr.flush()
-    if fault_tolerant():
+    wait = LAST_RANK_WAIT_S if wait is None else wait
+    if fault_tolerant() and not (code and last_rank_alive(comms, wait)):
         os.kill(os.getpid(), signal.SIGKILL)
     os._exit(code)
+
+
+# How long a failing rank waits to learn that the others have failed too: a rank that
+# fails because a peer died hears of that death from MPI a little after its socket broke
+# (measured: 50-100 ms on an idle host).
+LAST_RANK_WAIT_S = 0.5
+
+
+def last_rank_alive(comms=(), wait: float = LAST_RANK_WAIT_S) -> bool:
+    """Under ULFM: whether every other rank this process shares COMM_WORLD (not for a
+    replacement, whose world is its own spawn) and each of `comms` with has failed, as
+    MPI sees it within `wait` seconds. False where MPI cannot tell (not initialised,
+    no ULFM)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    try:
+        if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+            return False
+        watched = [c for c in comms if c is not None and c != mpi.COMM_NULL]
+        if not spawned_by_mpi():
+            watched.append(mpi.COMM_WORLD)
+        give_up = time.monotonic() + wait
+        while not all(_others_failed(mpi, comm) for comm in watched):
+            if time.monotonic() >= give_up:
+                return False
+            time.sleep(0.01)
+        return bool(watched)
+    except Exception:  # (no ULFM in this MPI, a freed communicator): it cannot tell
+        return False
+
+
+def _others_failed(mpi, comm) -> bool:
+    try:
+        comm.Iprobe(mpi.ANY_SOURCE, mpi.ANY_TAG)  # lets MPI take in failure notices
+    except mpi.Exception:
+        pass  # (a failure pending: what we are looking for)
+    failed = comm.Get_failed()
+    try:
+        return failed.Get_size() >= comm.Get_size() - 1
+    finally:
+        failed.Free()
+
+
+# --------------------------------------------------------------------------- the job's status
+# `ringsync run` gives the ranks a directory (JOB_STATUS_DIR_ENV) where each rank leaves a
+# few JSON records: "started" at init(), then one of "failed" (exit_as_failed), "left"
+# (a rank leaving a job that goes on) or "finished" (its shutdown, or the interpreter's
+# exit). Once mpirun is done, the launcher reads them (launcher.job_status): under MPI
+# fault tolerance mpirun's own status cannot tell a failed job from one that finished.
+
+JOB_STATUS_DIR_ENV = "RINGSYNC_JOB_STATUS_DIR"
+RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
+CAUSE_LIMIT = 300  # characters of a failure's cause kept in its record
+
+
+def launch_rank(environ=os.environ) -> Optional[int]:
+    """This process's rank as mpirun started it (known before MPI is initialised)."""
+    for name in RANK_VARIABLES:
+        if environ.get(name, "").isdigit():
+            return int(environ[name])
+    return None
+
+
+def record_job_event(kind: str, code: Optional[int] = None, cause: Optional[str] = None,
+                     environ=os.environ) -> None:
+    """Leave `kind` in the launcher's status directory, if it gave one and it exists on
+    this host (a rank on another host writes nothing: the directory is the launcher's).
+    Never raises: a record is worth less than the rank's own way out."""
+    directory = environ.get(JOB_STATUS_DIR_ENV)
+    if not directory or not os.path.isdir(directory):
+        return
+    record = {"kind": kind, "pid": os.getpid(), "host": socket.gethostname(),
+              "rank": launch_rank(environ), "spawned": spawned_by_mpi(environ),
+              "time_ns": time.time_ns(), "code": code,
+              "cause": None if cause is None else cause[:CAUSE_LIMIT]}
+    name = f"{record['host']}-{record['pid']}.{kind}.json"
+    try:
+        partial = os.path.join(directory, "." + name)
+        with open(partial, "w") as f:
+            json.dump(record, f)
+        os.replace(partial, os.path.join(directory, name))  # the launcher never reads half
+    except OSError:
+        pass
+
+
+_finish_recorded_at_exit = False
+
+
+def record_start() -> None:
+    """init(): this rank started (a rank that leaves no end record was killed), and it
+    records its finish when the interpreter exits in order."""
+    global _finish_recorded_at_exit
+    record_job_event("started")
+    if not _finish_recorded_at_exit:
+        _finish_recorded_at_exit = True
+        atexit.register(record_job_event, "finished")
+
+
+# --------------------------------------------------------------------------- MPI itself
+
+
+_THREAD_LEVELS = ("single", "funneled", "serialized", "multiple")
+
+
+def ensure_mpi_initialized() -> bool:
+    """Initialise MPI where mpi4py was told not to (mpi4py.rc.initialize = False), as
+    Horovod does, at the thread level mpi4py.rc asks for; then MPI is finalized at exit
+    (before mpi4py's own exit handlers, after ringsync's shutdown, which init() registers
+    later), except under fault tolerance, where MPI_Finalize can hang (see ringsync's
+    _skip_mpi_finalize_under_fault_tolerance). Returns whether it initialised MPI."""
+    import mpi4py
+    from mpi4py import MPI
+    if MPI.Is_finalized():
+        raise UsageError("ringsync.init: MPI has been finalized already (MPI.Finalize() was "
+                         "called); MPI cannot start again in this process")
+    if MPI.Is_initialized():
+        return False
+    level = str(getattr(mpi4py.rc, "thread_level", "multiple")).lower()
+    if level not in _THREAD_LEVELS:
+        level = "multiple"
+    MPI.Init_thread(getattr(MPI, "THREAD_" + level.upper()))
+    if not fault_tolerant() and getattr(mpi4py.rc, "finalize", None) is not False:
+        atexit.register(_finalize_mpi)
+    return True
+
+
+def _finalize_mpi() -> None:
+    from mpi4py import MPI
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
 
 
 def _errors_return(comm):

@@ -20,7 +20,7 @@ import sys
 from typing import Dict, List, Optional, Sequence, Union
 
 from ._core import Communicator
-from .errors import UsageError
+from .errors import CommunicationError, UsageError
 
 
 class ProcessSet:
@@ -117,68 +117,162 @@ global_process_set = _GlobalProcessSet()
 
 @dataclasses.dataclass
 class Registry:
-    """The process sets of one job (one default communicator), by id."""
+    """The process sets of one job (one default communicator), by id.
+
+    Every change is collective over the job, and agreed before anything is built: each
+    rank posts what it was asked (the set's ranks, or its membership of the set's MPI
+    communicator) with its own objection, if any, in one exchange over the job's
+    rendezvous (bounded by the start timeout after init, see MpiRendezvous); then every
+    rank accepts the change, or every rank raises the same UsageError. A change refused
+    on one rank only must not leave another rank in MPI_Comm_split for good (issue 26)."""
 
     world: Communicator
     sets: Dict[int, ProcessSet] = dataclasses.field(default_factory=dict)
+    # Other ProcessSet objects of the same ranks (init(process_sets=...) called again).
+    aliases: Dict[int, List[ProcessSet]] = dataclasses.field(default_factory=dict)
     next_id: int = 1
 
     def add(self, ps: ProcessSet) -> ProcessSet:
         """Collective over the job: every rank adds the same sets in the same order."""
-        if ps.process_set_id is not None:
-            raise UsageError(f"ringsync.add_process_set: {ps} is registered already")
-        if ps.ranks is None:
-            ps.ranks = self._members_of(ps.mpi_comm)
-        self._check_ranks(ps)
-        rendezvous = self.world.rendezvous.split(ps.ranks)
-        if rendezvous is not None:
-            config = dataclasses.replace(self.world.config, timeline="")  # one per job
-            ps._comm = Communicator(rendezvous=rendezvous, config=config,
-                                    world_ranks=ps.ranks)
-        ps._size, ps._world_rank = len(ps.ranks), self.world.rank()
+        proposals = self.world.rendezvous.allgather(self._proposal(ps))
+        ranks = self._agreed_ranks(proposals)
+        ps.ranks = ranks
+        ps._comm = self._build_ring(ranks)
+        ps._size, ps._world_rank = len(ranks), self.world.rank()
         ps.process_set_id = self.next_id
         self.sets[self.next_id] = ps
         self.next_id += 1
         return ps
 
-    def _members_of(self, mpi_comm) -> List[int]:
-        from mpi4py import MPI
-        member = mpi_comm is not None and mpi_comm != MPI.COMM_NULL
-        return [r for r, m in enumerate(self.world.rendezvous.allgather(member)) if m]
+    def _proposal(self, ps: ProcessSet):
+        """(this rank's objection or None, the ranks it was given or None for a set of an
+        MPI communicator, whether it is in that communicator)."""
+        if ps.process_set_id is not None:
+            return f"{ps} is registered already", ps.ranks, False
+        if ps.ranks is None:
+            return None, None, _is_member_of(ps.mpi_comm)
+        return self._ranks_problem(ps.ranks), list(ps.ranks), False
 
-    def _check_ranks(self, ps: ProcessSet) -> None:
+    def _agreed_ranks(self, proposals) -> List[int]:
+        """The set's ranks, the same on every rank, or the same UsageError on every rank."""
+        refused = [f"rank {r}: {text}" for r, (text, _, _) in enumerate(proposals) if text]
+        if refused:
+            raise UsageError(f"ringsync.add_process_set: refused on rank(s) "
+                             f"{[r for r, (text, _, _) in enumerate(proposals) if text]}: "
+                             + "; ".join(refused))
+        given = [ranks for _, ranks, _ in proposals]
+        if all(ranks is None for ranks in given):  # sets of an MPI communicator
+            ranks = [r for r, (_, _, member) in enumerate(proposals) if member]
+            problem = self._ranks_problem(ranks)
+            if problem:
+                raise UsageError(f"ringsync.add_process_set: {problem} (the ranks where its "
+                                 f"MPI communicator is not MPI.COMM_NULL)")
+            return ranks
+        for r, ranks in enumerate(given):
+            if ranks != given[0]:
+                raise UsageError(f"ringsync.add_process_set: every rank must add the same set: "
+                                 f"rank 0 gave {_described(given[0])}, rank {r} gave "
+                                 f"{_described(ranks)}")
+        return given[0]
+
+    def _ranks_problem(self, ranks: List[int]) -> Optional[str]:
         size = self.world.size()
-        bad = [r for r in ps.ranks if not 0 <= r < size]
-        if bad or not ps.ranks or len(set(ps.ranks)) != len(ps.ranks):
-            raise UsageError(f"ringsync.add_process_set: ranks {ps.ranks} must be distinct "
-                             f"ranks of the job (0..{size - 1}), at least one")
+        bad = [r for r in ranks if not 0 <= r < size]
+        if bad or not ranks or len(set(ranks)) != len(ranks):
+            return (f"ranks {ranks} must be distinct ranks of the job (0..{size - 1}), at "
+                    f"least one")
         for other in self.sets.values():
-            if other.ranks == ps.ranks:
-                raise UsageError(f"ringsync.add_process_set: attempted to add a duplicate "
-                                 f"process set: {ps} has the ranks of {other}")
+            if other.ranks == ranks:
+                # Horovod's rule and words: a set of the same ranks is refused.
+                return f"attempted to add a duplicate process set: ranks {ranks} are {other}"
+        return None
+
+    def _build_ring(self, ranks: List[int]) -> Optional[Communicator]:
+        """The set's ring on its members (None elsewhere). Its members build it together
+        and fail together; one more exchange tells the other ranks, so that a set is
+        registered on every rank or on none."""
+        ring, failure = None, None
+        rendezvous = self.world.rendezvous.split(ranks)
+        if rendezvous is not None:
+            config = dataclasses.replace(self.world.config, timeline="")  # one per job
+            try:
+                ring = Communicator(rendezvous=rendezvous, config=config, world_ranks=ranks)
+            except Exception as e:  # (told to the others, then raised here)
+                failure = e
+        outcomes = self.world.rendezvous.allgather(
+            None if failure is None else (isinstance(failure, UsageError), str(failure)))
+        failed = [(r, o) for r, o in enumerate(outcomes) if o]
+        if not failed:
+            return ring
+        if ring is not None:
+            ring.abort(f"building process set {ranks} failed on another rank")
+        if failure is not None:
+            raise failure
+        r, (usage, text) = failed[0]
+        kind = UsageError if usage else CommunicationError
+        raise kind(f"ringsync.add_process_set: building the ring of process set {ranks} "
+                   f"failed on rank {r}: {text}")
 
     def remove(self, ps: ProcessSet) -> bool:
-        """Shut the set's ring down (a collective of its members) and forget it."""
-        if ps.process_set_id is None or ps.process_set_id == 0:
+        """Shut the set's ring down (a collective of its members) and forget it; False
+        for the global set or a set that is not registered."""
+        registered = self._registered_id(ps)
+        if registered is None:
             return False
-        if self.sets.get(ps.process_set_id) is not ps:
-            return False
-        del self.sets[ps.process_set_id]
-        ps.process_set_id = None
-        comm, ps._comm = ps._comm, None
+        comm = self._forget(registered, self.sets.pop(registered))
         if comm is not None:
             comm.shutdown()
         return True
+
+    def _registered_id(self, ps: ProcessSet) -> Optional[int]:
+        set_id = ps.process_set_id
+        if not set_id or set_id not in self.sets:  # (0: the global set stays, as in Horovod)
+            return None
+        if ps is not self.sets[set_id] and ps not in self.aliases.get(set_id, []):
+            return None
+        return set_id
+
+    def _forget(self, set_id: int, ps: ProcessSet) -> Optional[Communicator]:
+        """Unregister ps and its aliases; returns the ring to close, if this rank has one."""
+        for each in [ps] + self.aliases.pop(set_id, []):
+            each.process_set_id = None
+            comm, each._comm = each._comm, None
+        return comm
+
+    def attach_alias(self, ps: ProcessSet, registered: ProcessSet) -> None:
+        """ps (another object of the same ranks) shares registered's id and ring."""
+        if ps is registered:
+            return
+        ps.process_set_id, ps.ranks = registered.process_set_id, list(registered.ranks)
+        ps._comm, ps._size = registered._comm, registered._size
+        ps._world_rank = registered._world_rank
+        self.aliases.setdefault(registered.process_set_id, []).append(ps)
+
+    def matching(self, ps: ProcessSet) -> Optional[ProcessSet]:
+        """The registered set of ps's ranks (of ps's MPI communicator), or None."""
+        for registered in self.sets.values():
+            if ps.ranks is not None and registered.ranks == ps.ranks:
+                return registered
+            if ps.ranks is None and registered.mpi_comm is ps.mpi_comm is not None:
+                return registered
+        return None
 
     def close(self, abort: bool = False) -> None:
         """Every set's ring, in id order (the same on every rank: no shutdown waits on a
         set whose members are still shutting down another)."""
         for set_id in sorted(self.sets):
-            ps = self.sets.pop(set_id)
-            ps.process_set_id = None
-            comm, ps._comm = ps._comm, None
+            comm = self._forget(set_id, self.sets.pop(set_id))
             if comm is not None:
                 comm.abort("the job's communicator was replaced") if abort else comm.shutdown()
+
+
+def _is_member_of(mpi_comm) -> bool:
+    from mpi4py import MPI
+    return mpi_comm is not None and mpi_comm != MPI.COMM_NULL
+
+
+def _described(ranks) -> str:
+    return "a set of an MPI communicator" if ranks is None else f"ranks {ranks}"
 
 
 _registry: Optional[Registry] = None
@@ -194,22 +288,87 @@ def _world() -> Communicator:
     return _comm()
 
 
-def attach(world: Communicator, process_sets=None) -> None:
-    """Start the job's registry (ringsync.init) with the static sets, in order."""
+def start_registry(world: Communicator) -> None:
+    """A registry with no sets yet, for the job's new ring (elastic recovery's too)."""
     global _registry
     _registry = Registry(world)
-    if process_sets is None or process_sets == "dynamic":
+
+
+def attach(world: Communicator, process_sets=None) -> None:
+    """ringsync.init: start the job's registry with the static sets, in order. Where sets
+    are given, one exchange first, so that a bad argument on one rank fails init on every
+    rank. (None where none are given: a replacement rank's init() must make the same
+    exchanges as the survivors' recovery, which registers no sets.)"""
+    start_registry(world)
+    if process_sets is None or _is_dynamic(process_sets):
         return
-    if isinstance(process_sets, ProcessSet) or isinstance(process_sets, str):
-        raise UsageError(f"ringsync.init: process_sets must be a list of ProcessSet or "
-                         f"'dynamic', got {process_sets!r}")
+    problem = _static_sets_problem(process_sets)
+    sets = [] if problem else _static_sets(process_sets)
+    posts = world.rendezvous.allgather((problem, len(sets)))
+    _raise_unless_same_sets(posts)
+    for i, ps in enumerate(sets):
+        try:
+            _registry.add(ps)
+        except UsageError as e:
+            raise UsageError(f"ringsync.init: process_sets entry number {i}: {e}") from None
+
+
+def attach_registered(process_sets) -> None:
+    """init() called again while initialised, as Horovod's: the sets given are checked
+    and each takes the id and ring of the registered set of the same ranks (a set made
+    from an MPI communicator: of that communicator). Nothing is built, so nothing is
+    collective; a set that is not registered, or given twice, is a UsageError."""
+    problem = _static_sets_problem(process_sets)
+    if problem:
+        raise UsageError(f"ringsync.init: {problem}")
+    registry = _registry_or_raise("init")
+    attached = set()
+    for i, ps in enumerate(_static_sets(process_sets)):
+        registered = registry.matching(ps)
+        if registered is None:
+            raise UsageError(f"ringsync.init: process_sets entry number {i}, {ps}, is not a "
+                             f"registered set; ringsync is initialized already: add it with "
+                             f"add_process_set")
+        if registered.process_set_id in attached:
+            raise UsageError(f"ringsync.init: process_sets entry number {i} is a duplicate: "
+                             f"{ps}")
+        attached.add(registered.process_set_id)
+        registry.attach_alias(ps, registered)
+
+
+def _static_sets_problem(process_sets) -> Optional[str]:
+    """What is wrong with init's process_sets argument, in words, or None."""
+    if process_sets is None or _is_dynamic(process_sets):
+        return None
+    if isinstance(process_sets, (ProcessSet, str)) or not hasattr(process_sets, "__iter__"):
+        return f"process_sets must be a list of ProcessSet or 'dynamic', got {process_sets!r}"
     for i, ps in enumerate(process_sets):
         if not isinstance(ps, ProcessSet):
-            raise UsageError(f"ringsync.init: process_sets entry number {i} is "
-                             f"{type(ps).__name__}, not a ProcessSet")
-        if ps is global_process_set:
-            continue
-        _registry.add(ps)
+            return f"process_sets entry number {i} is {type(ps).__name__}, not a ProcessSet"
+    return None
+
+
+def _is_dynamic(process_sets) -> bool:
+    return isinstance(process_sets, str) and process_sets.lower() == "dynamic"
+
+
+def _static_sets(process_sets) -> List[ProcessSet]:
+    """The sets to register (the global set is always there), in order."""
+    if process_sets is None or _is_dynamic(process_sets):
+        return []
+    return [ps for ps in process_sets if ps is not global_process_set]
+
+
+def _raise_unless_same_sets(posts) -> None:
+    """posts: every rank's (problem with its argument, number of sets)."""
+    refused = [f"rank {r}: {problem}" for r, (problem, _) in enumerate(posts) if problem]
+    if refused:
+        raise UsageError("ringsync.init: " + "; ".join(refused))
+    differ = [r for r, (_, count) in enumerate(posts) if count != posts[0][1]]
+    if differ:
+        r = differ[0]
+        raise UsageError(f"ringsync.init: every rank must give the same process sets: rank 0 "
+                         f"gave {posts[0][1]} set(s), rank {r} gave {posts[r][1]}")
 
 
 def detach(abort: bool = False) -> None:

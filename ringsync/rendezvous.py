@@ -44,6 +44,10 @@ class Rendezvous(abc.ABC):
         calls it, with the same ranks (a process set is built over one)."""
         raise NotImplementedError(f"{type(self).__name__} cannot be split")
 
+    def limit_exchanges(self, seconds: Optional[float]) -> None:
+        """From now on an exchange that not every rank comes to fails after `seconds`
+        (None: no limit). A ThreadGroup has its own timeout already."""
+
     def close(self) -> None:
         """Release what the rendezvous holds; the Communicator calls it when it shuts down."""
 
