@@ -50,8 +50,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 
+from ringsync.bootstrap import JOB_STATUS_DIR_ENV
 from ringsync.config import (ENV_PREFIX, LOG_LEVELS, default_in_words, env_of, number_text,
                              parse_value, setting_fields, setting_source)
 from ringsync.errors import UsageError
@@ -405,8 +407,10 @@ def build_mpirun_command(
     mpirun: str | None = None,
     flavor: str | None = None,
     environ: dict[str, str] | None = None,
+    job_status_dir: str | None = None,
 ) -> list[str]:
-    """The full mpirun argument list for ``options`` (nothing is run)."""
+    """The full mpirun argument list for ``options`` (nothing is run); job_status_dir:
+    where the ranks record how they end (see job_status)."""
     mpirun = mpirun or find_mpirun()
     flavor = flavor or mpi_flavor(mpirun)
     slots = available_slots(options.hosts, options.hostfile)
@@ -422,6 +426,8 @@ def build_mpirun_command(
     settings = option_settings(options)
     if options.elastic:
         settings.update(elastic_settings(options))
+    if job_status_dir:
+        settings[JOB_STATUS_DIR_ENV] = job_status_dir
     # An option's value replaces the variable of the same name rather than racing it.
     exported = [name for name in exported_variables(environ) if name not in settings]
     command += export_flags(flavor, exported)
@@ -732,16 +738,134 @@ def run(options: RunOptions) -> int:
     for note in options.ignored:
         print("ringsync run: ignored: " + note, file=sys.stderr, flush=True)
     mpirun = find_mpirun()
-    command = build_mpirun_command(options, mpirun)
-    if options.verbose:
-        print(describe_run(options, command), file=sys.stderr, flush=True)
-    if options.dry_run:
-        print(shlex.join(command))
-        return 0
-    output = None
-    if options.output_filename and mpi_flavor(mpirun) == OPEN_MPI:
-        output = OutputFiles(options.output_filename, options.np)
-    return run_forwarding_signals(command, output)
+    status_dir = None if options.dry_run else tempfile.mkdtemp(prefix="ringsync-job-")
+    try:
+        command = build_mpirun_command(options, mpirun, job_status_dir=status_dir)
+        if options.verbose:
+            print(describe_run(options, command), file=sys.stderr, flush=True)
+        if options.dry_run:
+            print(shlex.join(command))
+            return 0
+        output = None
+        if options.output_filename and mpi_flavor(mpirun) == OPEN_MPI:
+            output = OutputFiles(options.output_filename, options.np)
+        status, message = job_status(run_forwarding_signals(command, output),
+                                     read_job_records(status_dir))
+        if message:
+            print(message, file=sys.stderr, flush=True)
+        return status
+    finally:
+        if status_dir:
+            shutil.rmtree(status_dir, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- the job's status
+# Under MPI fault tolerance (--elastic: mpirun --with-ft ulfm) a failing rank kills itself,
+# so that the others can recover without it, and mpirun reports success once no rank is
+# left, even when every rank failed. So each rank records how it ends in a directory the
+# launcher gives it (ringsync.bootstrap.record_job_event), and the launcher decides.
+
+CAUSE_SHOWN = 160  # characters of each failure's cause in the launcher's message
+
+
+@dataclasses.dataclass
+class RankHistory:
+    """What one process (a rank, or a replacement) recorded: its latest record of each
+    kind ("started", "failed", "left", "finished")."""
+
+    rank: int | None
+    spawned: bool
+    pid: int
+    records: dict = dataclasses.field(default_factory=dict)
+
+    def ending(self) -> str | None:
+        """How it ended: "failed", "left", "finished", or None if it recorded no end
+        after its latest start (killed from outside, or ended without Python's exit)."""
+        ends = [r for kind, r in self.records.items() if kind != "started"]
+        if not ends:
+            return None
+        last = max(ends, key=lambda r: r["time_ns"])
+        started = self.records.get("started")
+        if started and started["time_ns"] > last["time_ns"]:
+            return None
+        return last["kind"]
+
+    def name(self) -> str:
+        if self.spawned or self.rank is None:
+            return "a replacement rank (pid %d)" % self.pid
+        return "rank %d" % self.rank
+
+    def problem(self) -> str:
+        if self.ending() == "failed":
+            cause = self.records["failed"].get("cause")
+            if cause and len(cause) > CAUSE_SHOWN:
+                cause = cause[:CAUSE_SHOWN] + "..."
+            return "%s failed" % self.name() + (" (%s)" % cause if cause else "")
+        return "%s ended without a record (killed by a signal, or by mpirun)" % self.name()
+
+
+def read_job_records(directory: str | None) -> list[dict]:
+    """The records the ranks left in ``directory`` (unreadable ones skipped)."""
+    records = []
+    for name in sorted(os.listdir(directory)) if directory else []:
+        if name.startswith(".") or not name.endswith(".json"):
+            continue  # (a record still being written)
+        try:
+            with open(os.path.join(directory, name)) as f:
+                records.append(json.load(f))
+        except (OSError, ValueError):
+            continue
+    return records
+
+
+def rank_histories(records: list[dict]) -> list[RankHistory]:
+    """One history per process, in rank order (replacements last)."""
+    by_process = {}
+    for record in records:
+        key = (record.get("host"), record.get("pid"))
+        if key not in by_process:
+            by_process[key] = RankHistory(record.get("rank"), bool(record.get("spawned")),
+                                          record.get("pid") or 0)
+        by_process[key].records[record["kind"]] = record
+    return sorted(by_process.values(),
+                  key=lambda h: (h.spawned or h.rank is None, h.rank or 0, h.pid))
+
+
+def job_status(mpirun_status: int, records: list[dict]) -> tuple[int, str | None]:
+    """The launcher's exit status and a one-line message naming the failed ranks, or None.
+
+    mpirun's own failure wins. Otherwise the job failed when a rank failed, or ended with
+    no record (killed from outside), and no rank finished after the last recorded
+    failure: elastic survivors that finish are the job finishing."""
+    histories = rank_histories(records)
+    failed = sorted((h for h in histories if h.ending() in ("failed", None)),
+                    key=failure_order)
+    problems = "; ".join(h.problem() for h in failed)
+    if mpirun_status != 0:
+        if not histories:
+            return mpirun_status, None  # not a ringsync program: mpirun speaks for it
+        return mpirun_status, ("ringsync run: the job failed (exit status %d)%s"
+                               % (mpirun_status, ": " + problems if problems else ""))
+    if not failed or finished_after_failures(histories):
+        return 0, None
+    return 1, ("ringsync run: the job failed: %s; no rank finished after that (mpirun "
+               "reported success: under MPI fault tolerance it does once no rank is left)"
+               % problems)
+
+
+def failure_order(history: RankHistory):
+    """The first failure first (often the cause of the others); unrecorded ends last."""
+    if history.ending() == "failed":
+        return (0, history.records["failed"]["time_ns"])
+    return (1, 0)
+
+
+def finished_after_failures(histories: list[RankHistory]) -> bool:
+    """Whether some rank finished after the last recorded failure."""
+    failures = [h.records["failed"]["time_ns"] for h in histories if h.ending() == "failed"]
+    last_failure = max(failures, default=-1)
+    return any(h.ending() == "finished" and h.records["finished"]["time_ns"] > last_failure
+               for h in histories)
 
 
 # --------------------------------------------------------------------------- doctor
