@@ -1,7 +1,8 @@
 """Process sets as rings of their own, with ranks as threads (tests/thread_ranks.py): each
 thread's Registry splits its world communicator as ringsync.init() and add_process_set()
-do. The module-level API (hvd.add_process_set and process_set= on the adapters) is
-tested under mpirun in tests/mpi/test_process_sets.py."""
+do. The module-level API under mpirun: tests/mpi/test_process_set_agreement.py (a change
+refused on one rank fails on every rank), tests/mpi/test_init_and_process_sets.py (init's
+sets, Horovod's rules) and the adapters' bodies (process_set= on each collective)."""
 import os
 import threading
 
