@@ -310,6 +310,12 @@ class Config:
         default_text="(unset)",
         help="elastic: asserts that MPI keeps the survivors running when a rank dies "
              "(another MPI with ULFM; Open MPI says so itself under `--with-ft ulfm`)")
+    # Read by ringsync.bootstrap (a rank records how it ends); `ringsync run` sets it.
+    job_status_dir: Optional[str] = _setting(
+        None, "RINGSYNC_JOB_STATUS_DIR", unit="directory", default_text="(unset)",
+        help="set by `ringsync run` for its ranks: where each records how it ended, so that "
+             "the launcher's exit status says whether the job failed (under `--with-ft "
+             "ulfm` mpirun's own does not)")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ, **overrides) -> "Config":
