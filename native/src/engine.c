@@ -58,6 +58,14 @@ struct rs_engine {
     /* Blocking calls of one tensor submitted (under mu): the k-th gets blocking_seq k, and
      * negotiation matches the k-th of every rank (see rs_request_t.blocking). */
     uint64_t blocking_calls;
+    /* Peers that shut down while this rank still runs (see close_collectives; under mu):
+     * shut_down[r], and once any did, collectives fail with these words. */
+    unsigned char *shut_down;
+    int collectives_closed;
+    char closed_text[RS_ERROR_LEN];
+    /* What stops a caller waiting on the same-host lane (read atomically): the failure's
+     * code, or RS_ERR_COMM once collectives are closed. */
+    rs_status_t lane_stop;
 
     /* the engine thread's own */
     rs_negotiator_t negotiator;
@@ -149,6 +157,7 @@ static void set_failure_locked(rs_engine_t *e, rs_status_t st, const char *text)
         return;
     snprintf(e->failure.text, sizeof e->failure.text, "%s", text);
     __atomic_store_n(&e->failure.code, st, __ATOMIC_RELEASE);
+    __atomic_store_n(&e->lane_stop, st, __ATOMIC_RELEASE);
 }
 
 static void wake_thread(rs_engine_t *e);
@@ -453,6 +462,82 @@ static int idle_wait(rs_engine_t *e, double next_deadline) {
     return (nwaits > 1 && waits[1].ready) || (nwaits > 2 && waits[2].ready);
 }
 
+/* ---- a peer that shuts down ----
+ *
+ * shutdown() is a barrier of every rank's engine (SHUTDOWN_NAME), so that no rank's exit
+ * looks like a failure to the others. A rank that shuts down while its peers still wait in
+ * collectives with it (it finished early, or left on an exception or sys.exit) would wait
+ * for them in that barrier, and they for it. So once a peer's shutdown shows in
+ * negotiation, every collective here fails naming it: those waiting now (in negotiation or
+ * on the same-host lane) and later ones (Horovod's "Horovod has been shut down"). Messages
+ * between ranks still running go on; this rank's own shutdown() then completes the
+ * barrier. */
+
+static int is_collective_entry(const rs_pending_t *p) {
+    return !rs_pending_is_p2p(p) && strcmp(p->name, SHUTDOWN_NAME) != 0;
+}
+
+/* A message to or from a rank that shut down, or a collective: it can never complete. */
+static int needs_shut_down_rank(const rs_engine_t *e, const rs_pending_t *p) {
+    if (is_collective_entry(p))
+        return 1;
+    const rs_meta_t *m = &p->metas[p->last_rank];
+    return rs_pending_is_p2p(p) && (e->shut_down[m->root] || e->shut_down[m->op]);
+}
+
+/* Under mu: drop the pending entries that need a rank that shut down (every rank still
+ * running drops the same ones, after the same round); this rank's requests among them fail. */
+static void fail_what_needs_shut_down_locked(rs_engine_t *e) {
+    rs_negotiator_t *n = &e->negotiator;
+    for (size_t i = 0; i < n->pending.capacity; i++) {
+        rs_pending_t *p = n->pending.keys[i] ? n->pending.values[i] : NULL;
+        if (!p || !needs_shut_down_rank(e, p))
+            continue;
+        rs_work_t *w = p->mine;
+        if (p == n->join)
+            n->join = NULL;
+        rs_map_remove(&n->pending, p->name);
+        rs_pending_free(p);
+        i = (size_t)-1; /* the map changed under the scan: start over */
+        if (!w)
+            continue;
+        if (w->synthetic) {
+            free_work(w);
+        } else if (w->refusal) {
+            drop_refusal_locked(e, w);
+        } else {
+            w->status = RS_ERR_COMM;
+            free(w->error);
+            w->error = strdup(e->closed_text);
+            finish_locked(e, w);
+        }
+    }
+    pthread_cond_broadcast(&e->done_cv);
+}
+
+/* After each round: note peers whose shutdown negotiation now holds (while this rank has
+ * not shut down itself) and fail what can no longer complete. */
+static void close_collectives(rs_engine_t *e) {
+    rs_pending_t *p = rs_map_get(&e->negotiator.pending, SHUTDOWN_NAME);
+    if (!p || p->mine)
+        return; /* nobody, or this rank shuts down too: the barrier ends it all */
+    pthread_mutex_lock(&e->mu);
+    for (int r = 0; r < e->comm->size; r++) {
+        if (!p->submitted[r] || r == e->comm->rank || e->shut_down[r])
+            continue;
+        e->shut_down[r] = 1;
+        if (!e->collectives_closed)
+            snprintf(e->closed_text, sizeof e->closed_text, "rank %d has shut down (it "
+                     "finished, or left on an error), so no collective with it can complete "
+                     "(every rank must make the same collectives before shutdown())", r);
+        e->collectives_closed = 1;
+        __atomic_store_n(&e->lane_stop, RS_ERR_COMM, __ATOMIC_RELEASE);
+    }
+    if (e->collectives_closed)
+        fail_what_needs_shut_down_locked(e);
+    pthread_mutex_unlock(&e->mu);
+}
+
 static void *engine_main(void *arg) {
     rs_engine_t *e = arg;
     rs_work_t **batch = NULL;
@@ -487,6 +572,8 @@ static void *engine_main(void *arg) {
         if (st != RS_OK) {
             fail_with_comm_error(e, st);
             fail_batch(e, batch, n); /* those the round never recorded */
+        } else {
+            close_collectives(e);
         }
     }
     free(batch);
@@ -521,6 +608,7 @@ static void engine_free(rs_engine_t *e) {
     free(e->generations);
     rs_map_free(&e->in_flight);
     free(e->p2p_sent);
+    free(e->shut_down);
     free(e->p2p_received);
     rs_negotiator_free(&e->negotiator);
     rs_timeline_stop(&e->timeline);
@@ -555,7 +643,8 @@ rs_status_t rs_engine_create(rs_comm_t *comm, const rs_engine_config_t *config,
                                   .timeline = &e->timeline};
     e->p2p_sent = calloc((size_t)comm->size, sizeof *e->p2p_sent);
     e->p2p_received = calloc((size_t)comm->size, sizeof *e->p2p_received);
-    if (!e->p2p_sent || !e->p2p_received ||
+    e->shut_down = calloc((size_t)comm->size, 1);
+    if (!e->p2p_sent || !e->p2p_received || !e->shut_down ||
         rs_negotiator_init(&e->negotiator, comm->rank, comm->size, config->cache_capacity) != RS_OK ||
         pipe2(e->wake, O_NONBLOCK | O_CLOEXEC) != 0) {
         engine_free(e);
@@ -725,11 +814,25 @@ static rs_work_t *new_work(rs_engine_t *e, const char *name, const rs_request_t 
     return w;
 }
 
+/* Under mu, once a peer shut down (close_collectives): a collective cannot run any more (but
+ * this rank's own shutdown), nor a message to or from a rank that shut down. */
+static rs_status_t check_still_possible(rs_engine_t *e, const char *name, const rs_request_t *r) {
+    int peer = is_p2p(r->kind) && r->root >= 0 && r->root < e->comm->size ? r->root : -1;
+    if (is_p2p(r->kind) ? peer < 0 || !e->shut_down[peer] : strcmp(name, SHUTDOWN_NAME) == 0)
+        return RS_OK;
+    if (peer >= 0)
+        return rs_error_set(&e->error, RS_ERR_COMM, "rank %d has shut down: no message to or "
+                            "from it can complete", peer);
+    return rs_error_set(&e->error, RS_ERR_COMM, "%s", e->closed_text);
+}
+
 /* Under mu: check every request first, so that a group is accepted whole or not at all. */
 static rs_status_t validate_all(rs_engine_t *e, const char **names, const rs_request_t *requests,
                                 int n) {
     if (e->failure.code != RS_OK)
         return rs_error_copy(&e->error, &e->failure);
+    for (int i = 0; e->collectives_closed && i < n; i++)
+        RS_CHECK(check_still_possible(e, names[i], &requests[i]));
     if (e->stopping)
         return rs_error_set(&e->error, RS_ERR_USAGE, "the engine is shutting down");
     for (int i = 0; i < n; i++) {
@@ -1071,7 +1174,7 @@ rs_direct_t *rs_engine_lane(rs_engine_t *e) { return e->direct; }
 
 rs_comm_t *rs_engine_comm(rs_engine_t *e) { return e->comm; }
 
-const rs_status_t *rs_engine_failure(rs_engine_t *e) { return &e->failure.code; }
+const rs_status_t *rs_engine_failure(rs_engine_t *e) { return &e->lane_stop; }
 
 uint32_t rs_engine_joins(rs_engine_t *e) { return __atomic_load_n(&e->joins, __ATOMIC_ACQUIRE); }
 
@@ -1089,6 +1192,8 @@ rs_status_t rs_engine_report_failure(rs_engine_t *e, rs_status_t st) {
     rs_error_copy(&e->error, &e->failure);
     if (e->failure.code != RS_OK)
         st = e->failure.code;
+    else if (e->collectives_closed) /* (what stopped a lane caller) */
+        st = rs_error_set(&e->error, RS_ERR_COMM, "%s", e->closed_text);
     pthread_mutex_unlock(&e->mu);
     return st;
 }

@@ -197,7 +197,8 @@ rs_status_t rs_engine_validate(rs_engine_t *e, const char *name, const rs_reques
 /* Negotiate a refusal of `name` (a call of `kind` this rank refused) in the background:
  * the peers' request of that name fails, naming this rank (see rs_engine_refuse). */
 void rs_engine_refuse_later(rs_engine_t *e, const char *name, int kind, int blocking);
-/* The engine's failure code, for a waiter's atomic look (0 until the engine fails). */
+/* What ends a lane caller's wait, for its atomic look: 0 until the engine fails (its code)
+ * or a peer shuts down (RS_ERR_COMM; rs_engine_report_failure has the words). */
 const rs_status_t *rs_engine_failure(rs_engine_t *e);
 /* Joins this rank has completed (read atomically): the epoch that lane posts carry. */
 uint32_t rs_engine_joins(rs_engine_t *e);
