@@ -128,28 +128,18 @@ void rs_timeline_cycle(rs_timeline_t *t, double now) {
     pthread_mutex_unlock(&t->mu);
 }
 
+/* A phase's event name: fixed, or made from the collective's kind (NULL here). */
+static const char *const FIXED_PHASE_NAMES[] = {
+    [RS_SPAN_COPY_IN] = "MEMCPY_IN_FUSION_BUFFER", [RS_SPAN_COPY_OUT] = "MEMCPY_OUT_FUSION_BUFFER",
+    [RS_SPAN_SEND] = "SEND", [RS_SPAN_RECV] = "RECV"};
+
 static void phase_name(rs_span_t phase, int kind, char *out, size_t cap) {
     char upper[32];
     upper_kind(kind, upper, sizeof upper);
-    switch (phase) {
-    case RS_SPAN_NEGOTIATE:
+    if (phase == RS_SPAN_NEGOTIATE)
         snprintf(out, cap, "NEGOTIATE_%s", upper);
-        break;
-    case RS_SPAN_COPY_IN:
-        snprintf(out, cap, "MEMCPY_IN_FUSION_BUFFER");
-        break;
-    case RS_SPAN_COPY_OUT:
-        snprintf(out, cap, "MEMCPY_OUT_FUSION_BUFFER");
-        break;
-    case RS_SPAN_SEND:
-        snprintf(out, cap, "SEND");
-        break;
-    case RS_SPAN_RECV:
-        snprintf(out, cap, "RECV");
-        break;
-    default:
-        snprintf(out, cap, "%s", upper);
-    }
+    else
+        snprintf(out, cap, "%s", FIXED_PHASE_NAMES[phase] ? FIXED_PHASE_NAMES[phase] : upper);
 }
 
 void rs_timeline_span(rs_timeline_t *t, int kind, const char *name, rs_span_t phase,
