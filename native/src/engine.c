@@ -200,6 +200,7 @@ static void drop_negotiation(rs_engine_t *e) {
     }
     rs_map_free(&n->pending);
     n->join = NULL;
+    n->my_blocking_pending = 0;
     pthread_cond_broadcast(&e->done_cv);
     pthread_mutex_unlock(&e->mu);
 }
@@ -494,6 +495,7 @@ static void fail_what_needs_shut_down_locked(rs_engine_t *e) {
         if (!p || !needs_shut_down_rank(e, p))
             continue;
         rs_work_t *w = p->mine;
+        n->my_blocking_pending -= w && w->blocking_seq;
         if (p == n->join)
             n->join = NULL;
         rs_map_remove(&n->pending, p->name);

@@ -73,6 +73,7 @@ typedef struct {
     rs_pending_t *join;       /* the join in progress: ranks that submitted it have joined */
     /* The last blocking calls (by number) that failed as mismatched, and why: a rank that
      * submits its call of that number only later fails it too. */
+    int64_t my_blocking_pending; /* this rank's blocking calls negotiation holds */
     uint64_t failed_blocking[RS_FAILED_BLOCKING_KEEP];
     char *failed_blocking_text[RS_FAILED_BLOCKING_KEEP];
     int failed_blocking_next;

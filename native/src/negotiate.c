@@ -301,6 +301,7 @@ static rs_status_t collect_ready(rs_negotiator_t *n, pending_list_t *touched,
         rs_pending_t *p = touched->items[i];
         if ((p->failure || ready_everywhere(n, p)) && rs_map_get(&n->pending, p->name) == p) {
             rs_map_remove(&n->pending, p->name);
+            n->my_blocking_pending -= p->mine && p->mine->blocking_seq;
             if (p->count < n->size && !rs_pending_is_p2p(p) && !p->failure)
                 fill_joined_metas(n, p);
             if (p == n->join)
@@ -394,18 +395,24 @@ static rs_status_t decode_round(rs_comm_t *comm, rs_negotiator_t *n, const char 
  * rank sees it in the same gathered headers and fails both calls alike (and the k-th call
  * of a rank that makes it only later), so that the ranks' next calls are matched again. */
 
-static void oldest_blocking(const rs_negotiator_t *n, rs_work_t **batch, int nbatch,
+/* What this rank reports this round (out: the number and name hash of its oldest blocking
+ * call not yet run), counting the batch's blocking calls as held from now on. */
+static void oldest_blocking(rs_negotiator_t *n, rs_work_t **batch, int nbatch,
                             uint64_t out[2]) {
     const rs_work_t *oldest = NULL;
     for (int i = 0; i < nbatch; i++)
         if (batch[i]->blocking_seq && (!oldest || batch[i]->blocking_seq < oldest->blocking_seq))
             oldest = batch[i];
-    for (size_t i = 0; i < n->pending.capacity; i++) {
+    /* (the scan of what negotiation holds only while some of it is a blocking call of
+     * ours: a backward pass's hundreds of pending gradients are not) */
+    for (size_t i = 0; n->my_blocking_pending > 0 && i < n->pending.capacity; i++) {
         const rs_pending_t *p = n->pending.keys[i] ? n->pending.values[i] : NULL;
         if (p && p->mine && p->mine->blocking_seq &&
             (!oldest || p->mine->blocking_seq < oldest->blocking_seq))
             oldest = p->mine;
     }
+    for (int i = 0; i < nbatch; i++)
+        n->my_blocking_pending += batch[i]->blocking_seq != 0;
     out[0] = oldest ? oldest->blocking_seq : 0;
     out[1] = oldest ? rs_fnv1a(oldest->name, strlen(oldest->name)) : 0;
 }
