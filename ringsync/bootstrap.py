@@ -340,6 +340,18 @@ def _offsets(sizes) -> List[int]:
     return offsets
 
 
+MAX_EXCHANGE_BYTES = 1 << 30  # what one rank may send in one rendezvous exchange
+
+
+def _check_sizes(sizes, what: str, ranks=None) -> None:
+    """The lengths the ranks announced (sizes[i] by ranks[i], all by default), before any
+    buffer is sized from them."""
+    for rank, size in zip(ranks or range(len(sizes)), sizes):
+        if not 0 <= size <= MAX_EXCHANGE_BYTES:
+            raise UsageError(f"ringsync: rendezvous {what}: rank {rank} announced {size} bytes "
+                             f"(at most {MAX_EXCHANGE_BYTES})")
+
+
 def bounded_allgather(comm, obj, deadline: float):
     """Every rank's obj (pickled), in rank order: lengths, then the bytes."""
     from mpi4py import MPI
@@ -347,6 +359,7 @@ def bounded_allgather(comm, obj, deadline: float):
     mine, sizes = array.array("q", [len(payload)]), array.array("q", [0] * comm.Get_size())
     wait_until(comm.Iallgather([mine, MPI.INT64_T], [sizes, MPI.INT64_T]), deadline,
                mine, sizes)
+    _check_sizes(sizes, "allgather")
     offsets = _offsets(sizes)
     gathered = bytearray(sum(sizes))
     wait_until(comm.Iallgatherv([payload, MPI.BYTE],
@@ -362,6 +375,7 @@ def bounded_bcast(comm, obj, root: int, deadline: float):
         else b""
     size = array.array("q", [len(payload)])
     wait_until(comm.Ibcast([size, MPI.INT64_T], root=root), deadline, size)
+    _check_sizes(size, "broadcast", ranks=[root])
     data = bytearray(payload) if comm.Get_rank() == root else bytearray(size[0])
     wait_until(comm.Ibcast([data, MPI.BYTE], root=root), deadline, data)
     return pickle.loads(bytes(data))

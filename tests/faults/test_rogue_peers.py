@@ -149,3 +149,28 @@ def test_impostors_without_the_secret_are_refused(transport):
     for rank in (1, 2):
         assert f"claims rank {rank} but did not prove that it knows the job's secret" in \
             reasons, result.report()
+
+
+@pytest.mark.ranks(2, timeout=90)
+def test_a_rank_announcing_a_bad_length_in_a_rendezvous_exchange_is_refused():
+    """The bounded MPI allgather of the rendezvous sizes its buffer from every rank's
+    announced length. Rank 1 announces -1, then 2 GiB, by hand; rank 0's exchange refuses
+    it naming rank 1 before it sizes anything from it (and without waiting for the bytes
+    that will never come)."""
+    import array
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD.Dup()
+    try:
+        for lie in (-1, 2 << 30):
+            if comm.Get_rank() == 1:
+                sizes = array.array("q", [0, 0])
+                bootstrap.wait_until(comm.Iallgather([array.array("q", [lie]), MPI.INT64_T],
+                                                     [sizes, MPI.INT64_T]), time.monotonic() + 30)
+            else:
+                with pytest.raises(rs.UsageError, match=f"rank 1 announced {lie} bytes"):
+                    bootstrap.bounded_allgather(comm, "rank 0's", time.monotonic() + 30)
+        real = bootstrap.bounded_allgather(comm, {"rank": comm.Get_rank()}, time.monotonic() + 30)
+        assert real == [{"rank": 0}, {"rank": 1}]
+    finally:
+        comm.Free()
