@@ -33,6 +33,9 @@ assert [int(o) for o in ReduceOp] == [lib.RS_OP_SUM, lib.RS_OP_AVERAGE, lib.RS_O
 __all__ = ["Communicator", "Handle", "as_op", "even_split"]
 
 _IN_PLACE = object()  # _allreduce's `out` for an in-place call
+_REFUSABLE = {"allreduce": lib.RS_KIND_ALLREDUCE, "allgather": lib.RS_KIND_ALLGATHER,
+              "broadcast": lib.RS_KIND_BROADCAST, "reducescatter": lib.RS_KIND_REDUCESCATTER,
+              "alltoall": lib.RS_KIND_ALLTOALL}
 
 
 def even_split(n: int, parts: int) -> Sequence[int]:
@@ -277,6 +280,20 @@ class Communicator(GroupedCollectives):
         except (TypeError, ValueError) as exc:  # (UsageError is a ValueError)
             self._submitter.refuse(names, kind, exc, blocking)
             raise
+
+    def refuse_call(self, collective: str, name, error: Exception, count=None) -> None:
+        """An adapter's own check of a blocking call failed here with `error` before the
+        call reached this communicator: name it as this communicator would have (so that
+        unnamed calls keep their numbers alike on every rank) and refuse it, so that the
+        peers' same call fails too instead of waiting (see Submitter.refuse). collective:
+        "allreduce", "grouped_allgather", ...; count: a group's number of tensors."""
+        kind = _REFUSABLE[collective.replace("grouped_", "")]
+        try:
+            first = self._name(name, collective)
+        except UsageError:
+            return  # (a name no rank can use: every rank refuses it alike)
+        names = [first] if count is None else [f"{first}.{i}" for i in range(count)]
+        self._submitter.refuse(names, kind, error, blocking=True)
 
     def _allreduce(self, x, out, op, prescale, postscale, name, what, blocking):
         """A Handle; or, for a blocking call the same-host lane ran, the result itself.

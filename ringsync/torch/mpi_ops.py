@@ -17,7 +17,7 @@ import ringsync as _rs
 from ringsync import Adasum, Average, Handle, Max, Min, Product, ReduceOp, Sum
 from ringsync._adapters import check_differentiable, grad_name, resolve_op
 from ringsync._core import even_split
-from ringsync.errors import UsageError
+from ringsync.errors import RingsyncError, UsageError
 from ringsync.process_sets import global_process_set
 
 from ._tensors import host_view, result_like, shares_memory
@@ -470,6 +470,21 @@ def _check_tensors(tensors, what):
     return tensors
 
 
+def _checked(what, name, process_set, check, count=None):
+    """check(): a blocking call's own checks here (before the core names the call). One
+    that fails must fail the peers' same call too, instead of leaving them waiting for
+    this rank (a gradient that is None on one rank only, say): the call is refused on the
+    communicator (Communicator.refuse_call), then the error goes on."""
+    try:
+        return check()
+    except (TypeError, ValueError) as exc:
+        try:
+            _comm(process_set).refuse_call(what, name, exc, count)
+        except RingsyncError:
+            pass  # (not initialised: there are no peers to tell)
+        raise
+
+
 def _compressed(compression, tensors):
     pairs = [compression.compress(t) for t in tensors]
     return [t for t, _ in pairs], [c for _, c in pairs]
@@ -479,8 +494,8 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
               prescale_factor=1.0, postscale_factor=1.0, process_set=PS):
     """A new tensor: tensor reduced over the set's ranks (op=None: Average; average= is
     Horovod's deprecated spelling). Differentiable for Sum and Average."""
-    _check_tensors([tensor], "allreduce")
-    op = resolve_op(average, op, "torch.allreduce")
+    op = _checked("allreduce", name, process_set, lambda: (
+        _check_tensors([tensor], "allreduce"), resolve_op(average, op, "torch.allreduce"))[1])
     (wire,), (ctx,) = _compressed(compression, [tensor])
     if _wants_grad([wire]):
         out = _Allreduce.apply(wire, op, prescale_factor, postscale_factor, name, process_set)
@@ -493,8 +508,10 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
                       prescale_factor=1.0, postscale_factor=1.0, process_set=PS):
     """A list of new tensors, reduced as one unit. Differentiable for Sum and Average."""
-    tensors = _check_tensors(list(tensors), "grouped_allreduce")
-    op = resolve_op(average, op, "torch.grouped_allreduce")
+    tensors = list(tensors)
+    op = _checked("grouped_allreduce", name, process_set, lambda: (
+        _check_tensors(tensors, "grouped_allreduce"),
+        resolve_op(average, op, "torch.grouped_allreduce"))[1], len(tensors))
     wires, ctxs = _compressed(compression, tensors)
     if _wants_grad(wires):
         outs = _GroupedAllreduce.apply(op, prescale_factor, postscale_factor, name, process_set,
@@ -507,7 +524,7 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
 
 def allgather(tensor, name=None, process_set=PS):
     """Every rank's tensor concatenated along the first dimension. Differentiable."""
-    _check_tensors([tensor], "allgather")
+    _checked("allgather", name, process_set, lambda: _check_tensors([tensor], "allgather"))
     if _wants_grad([tensor]):
         return _Allgather.apply(tensor, name, process_set)
     return synchronize(allgather_async(tensor, name, process_set, _blocking=True))
@@ -515,7 +532,9 @@ def allgather(tensor, name=None, process_set=PS):
 
 def grouped_allgather(tensors, name=None, process_set=PS):
     """allgather of each tensor, as one unit. Differentiable."""
-    tensors = _check_tensors(list(tensors), "grouped_allgather")
+    tensors = list(tensors)
+    _checked("grouped_allgather", name, process_set, lambda: _check_tensors(tensors, "grouped_allgather"),
+             len(tensors))
     if _wants_grad(tensors):
         return list(_GroupedAllgather.apply(name, process_set, *tensors))
     return synchronize(grouped_allgather_async(tensors, name, process_set, _blocking=True))
@@ -523,7 +542,7 @@ def grouped_allgather(tensors, name=None, process_set=PS):
 
 def broadcast(tensor, root_rank, name=None, process_set=PS):
     """A new tensor with root_rank's values. Differentiable."""
-    _check_tensors([tensor], "broadcast")
+    _checked("broadcast", name, process_set, lambda: _check_tensors([tensor], "broadcast"))
     if _wants_grad([tensor]):
         return _Broadcast.apply(tensor, root_rank, name, process_set)
     return synchronize(broadcast_async(tensor, root_rank, name, process_set, _blocking=True))
@@ -532,7 +551,7 @@ def broadcast(tensor, root_rank, name=None, process_set=PS):
 def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=PS,
                   prescale_factor=1.0, postscale_factor=1.0):
     """This rank's rows of tensor reduced over the set (Sum or Average). Differentiable."""
-    _check_tensors([tensor], "reducescatter")
+    _checked("reducescatter", name, process_set, lambda: _check_tensors([tensor], "reducescatter"))
     (wire,), (ctx,) = _compressed(compression, [tensor])
     if _wants_grad([wire]):
         out = _Reducescatter.apply(wire, op, prescale_factor, postscale_factor, name,
@@ -546,7 +565,9 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
                           process_set=PS, prescale_factor=1.0, postscale_factor=1.0):
     """reducescatter of each tensor, as one unit. Differentiable."""
-    tensors = _check_tensors(list(tensors), "grouped_reducescatter")
+    tensors = list(tensors)
+    _checked("grouped_reducescatter", name, process_set, lambda: _check_tensors(tensors, "grouped_reducescatter"),
+             len(tensors))
     wires, ctxs = _compressed(compression, tensors)
     if _wants_grad(wires):
         outs = _GroupedReducescatter.apply(op, prescale_factor, postscale_factor, name,
@@ -561,7 +582,7 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
 def alltoall(tensor, splits=None, name=None, process_set=PS):
     """splits[i] rows of tensor go to rank i of the set; returns the rows received, in rank
     order, and (when splits is given) how many came from each rank. Differentiable."""
-    _check_tensors([tensor], "alltoall")
+    _checked("alltoall", name, process_set, lambda: _check_tensors([tensor], "alltoall"))
     if _wants_grad([tensor]):
         out, received = _Alltoall.apply(tensor, splits, name, process_set)
     else:

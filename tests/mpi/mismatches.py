@@ -62,6 +62,10 @@ def torch_cases(hvd):
         "alltoall_dtype": lambda: hvd.alltoall(rows.int() if odd else rows),
         "allgather_shape": lambda: hvd.allgather(torch.zeros(2, 3 if odd else 2)),
         "reducescatter_shape": lambda: hvd.reducescatter(torch.zeros(2 * n, 3 if odd else 2)),
+        # ringsync.torch's own checks, before the core sees the call
+        "none_tensor": lambda: hvd.broadcast(None if odd else f32, 0),
+        "unknown_op": lambda: hvd.allreduce(f32, op=99 if odd else hvd.Sum),
+        "group_with_none": lambda: hvd.grouped_allreduce([f32, None if odd else f32]),
     }
 
 
