@@ -35,16 +35,12 @@ import os
 import re
 import shutil
 
-from ringsync.errors import UsageError
+from ringsync.errors import CheckpointError, UsageError
 from ringsync.process_sets import global_process_set
 
 FORMAT = 1
 META = "checkpoint.json"
 _GENERATION = re.compile(r"gen-(\d+)$")
-
-
-class CheckpointError(UsageError):
-    """A checkpoint that cannot be saved or loaded: which file, which rank, what is wrong."""
 
 
 # ---- the parts a rank writes ----

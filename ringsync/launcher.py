@@ -56,7 +56,7 @@ import threading
 from ringsync.bootstrap import JOB_STATUS_DIR_ENV
 from ringsync.config import (ENV_PREFIX, LOG_LEVELS, default_in_words, env_of, number_text,
                              parse_value, setting_fields, setting_source)
-from ringsync.errors import UsageError
+from ringsync.errors import LauncherError, UsageError
 
 OPEN_MPI = "openmpi"
 MPICH = "mpich"
@@ -78,10 +78,6 @@ SIGNALS_FOR_MPIRUN = {
 MPIRUN_DEATH_SIGNAL = signal.SIGTERM
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 FRAMEWORKS = ("torch", "tensorflow", "keras")
-
-
-class LauncherError(Exception):
-    """A problem the user can fix: no mpirun, a bad -H value, an unreadable hostfile."""
 
 
 # --------------------------------------------------------------------------- finding MPI
