@@ -17,7 +17,7 @@ step's gradient bytes, measured in the same run: every rank at once copies its g
 into a buffer, adds a buffer of the same size to it and copies the sum back (three
 memory-speed passes, what any data-parallel step must at least do on one host).
 A third compares ringsync with its default settings and with the settings autotune chose
-(Communicator.start_autotune, as RINGSYNC_AUTOTUNE=1 does, with --tune-steps steps per
+(ringsync.autotune.start, as RINGSYNC_AUTOTUNE=1 does, with --tune-steps steps per
 sample), timed in alternation after the tuning, and shows the choice.
 """
 import argparse
@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 import ringsync.torch as hvd
+from ringsync import autotune
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "pytorch_digits.py"
 
@@ -265,7 +266,7 @@ def autotuned_rate(comm, name, initial_state, batch, lr, args):
     so that both figures come from the same stretch of the run."""
     ring = hvd.mpi_ops._comm(hvd.global_process_set)
     defaults = ring.engine_settings()
-    tuner = ring.start_autotune(warmup_samples=1, steps_per_sample=args.tune_steps,
+    tuner = autotune.start(ring, warmup_samples=1, steps_per_sample=args.tune_steps,
                                 max_samples=args.tune_samples)
     model, step = ringsync_step(name, initial_state, batch, lr)
     while not tuner.done:

@@ -1,16 +1,19 @@
 """Communicator: the collectives of one ring, on numpy arrays (or anything with the buffer
 protocol).
 
-Every collective is a request to the engine (a background thread in the native core):
-the `_async` calls return a Handle at once, `synchronize(handle)` waits for it, and the
-plain calls do both. The GIL is released while the core works (cffi releases it).
+Every collective is a request to the engine (a background thread in the native core),
+with two entry points, as mpi4py's Allreduce / Iallreduce: the plain calls return the
+result (a single blocking tensor may take the same-host lane instead of the engine), the
+`_async` calls return a Handle at once, which `synchronize(handle)` waits for. The GIL is
+released while the core works (cffi releases it).
 
 The pieces: NativeRing (_ring.py) builds the ring over a rendezvous and owns the native
 objects; Submitter (_submit.py) hands requests to the engine and waits for them; this
 class turns each collective's arguments into requests.
 """
 import itertools
-from typing import Optional, Sequence
+import pickle
+from typing import Callable, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -18,10 +21,10 @@ from ._arrays import as_input, as_output, describe, wrap_native_result
 from ._native import ffi, lib
 from ._ring import NativeRing
 from ._grouped import GroupedCollectives
-from ._submit import Handle, PreparedAllreduce, Submitter, make_request
+from ._submit import Handle, PreparedAllreduce, Request, Submitter, make_request
 from ._timeline import Timeline
-from .autotune import Autotuner, Settings
 from .config import Config
+from .engine_settings import Settings
 from .errors import UsageError
 from .ops import ReduceOp, as_op
 from .rendezvous import Rendezvous, as_rendezvous
@@ -32,7 +35,7 @@ assert [int(o) for o in ReduceOp] == [lib.RS_OP_SUM, lib.RS_OP_AVERAGE, lib.RS_O
 
 __all__ = ["Communicator", "Handle", "as_op", "even_split"]
 
-_IN_PLACE = object()  # _allreduce's `out` for an in-place call
+IN_PLACE = object()  # _allreduce_args's `out` for an in-place call
 _REFUSABLE = {"allreduce": lib.RS_KIND_ALLREDUCE, "allgather": lib.RS_KIND_ALLGATHER,
               "broadcast": lib.RS_KIND_BROADCAST, "reducescatter": lib.RS_KIND_REDUCESCATTER,
               "alltoall": lib.RS_KIND_ALLTOALL}
@@ -43,16 +46,14 @@ def even_split(n: int, parts: int) -> Sequence[int]:
     return [n // parts + (i < n % parts) for i in range(parts)]
 
 
-def prepare_allreduce_(comm: "Communicator", name: str, like: np.ndarray, op=ReduceOp.AVERAGE,
-                       prescale_factor=1.0, postscale_factor=1.0) -> PreparedAllreduce:
-    """Everything about an in-place allreduce on comm but the memory: prepared.start(address,
-    keep) then submits it without building a request again (a DistributedOptimizer submits
-    every gradient of every step this way). like: an array with the tensor's dtype and
-    shape."""
-    request = make_request("allreduce_", lib.RS_KIND_ALLREDUCE, str(name), like, like,
-                           op=as_op(op, "allreduce_"), prescale=prescale_factor,
-                           postscale=postscale_factor, reduces=True)
-    return PreparedAllreduce(comm, request)
+class _Call(NamedTuple):
+    """A collective's requests and how to finish it, ready for the blocking entry point
+    (Submitter.run) or the asynchronous one (Submitter.start). takes: finish receives the
+    results the native core holds (allgather, alltoall, join)."""
+    requests: List[Request]
+    finish: Callable
+    what: str
+    takes: bool = False
 
 
 class _Names:
@@ -89,9 +90,8 @@ class Communicator(GroupedCollectives):
     intracommunicator (MPI.COMM_WORLD by default) or any ringsync.rendezvous.Rendezvous
     (ranks that are threads of one process, for tests). Several can exist in one process.
 
-    The `_async` methods' private `_blocking=True` says that the caller waits for the
-    result at once (the plain calls): the request then starts without waiting to fuse
-    with later ones, and a single tensor may take the same-host lane."""
+    A plain call's requests start without waiting to fuse with later ones, and are
+    matched across ranks in call order (as MPI's blocking calls are)."""
 
     def __init__(self, mpi_comm=None, config: Optional[Config] = None, own_comm: bool = False,
                  rendezvous: Optional[Rendezvous] = None, world_ranks: Optional[list] = None):
@@ -114,15 +114,11 @@ class Communicator(GroupedCollectives):
         self._name = _Names(self._rank)
         self.world_ranks = list(world_ranks or range(self._size))
         self._ring_rank = {world: mine for mine, world in enumerate(self.world_ranks)}
-        self._timeline = Timeline(self)
+        self._timeline = Timeline(self, self._ring)
         if self.config.timeline:
             self.start_timeline(self.config.timeline)
-        self._overlaps = self._ring.overlaps()
+        self._overlaps = self.config.overlap_choice()
         self._tunes = itertools.count()
-        self.overlap_matters = False  # set by an adapter's autotune_step (see autotune.py)
-        self._autotuner = None
-        if self.config.autotune:
-            self.start_autotune()
 
     # ---- settings ----
 
@@ -137,41 +133,16 @@ class Communicator(GroupedCollectives):
         """Have every rank's engine run with these settings from the same point on (a
         collective: every rank calls it, with the same settings, or every rank gets a
         MismatchError naming both)."""
-        self.synchronize(self._submitter.submit_tune(
-            self, f"ringsync.tune.{next(self._tunes)}", settings.native()))
+        self._submitter.run_tune(self, f"ringsync.tune.{next(self._tunes)}", settings.native())
         # (after the tune request, which every rank passed: the same step everywhere)
-        self._overlaps = bool(settings.overlap)
-
-    def autotune_step(self, overlap_matters: bool = False) -> None:
-        """Called by the framework adapters once per training step (every rank alike):
-        drives autotune where RINGSYNC_AUTOTUNE=1 (or after start_autotune()), else does
-        nothing. overlap_matters: the caller reduces during backward where `overlaps`."""
-        if self._autotuner is not None:
-            self.overlap_matters = self.overlap_matters or overlap_matters
-            self._autotuner.step()
-
-    def start_autotune(self, warmup_samples: Optional[int] = None,
-                       steps_per_sample: Optional[int] = None, max_samples: Optional[int] = None,
-                       log_path: Optional[str] = None) -> Autotuner:
-        """Start tuning from the next autotune_step() on, as RINGSYNC_AUTOTUNE=1 does from
-        init() (unset arguments: the RINGSYNC_AUTOTUNE_* settings). Every rank calls it at
-        the same step."""
-        c = self.config
-        self._autotuner = Autotuner(
-            self, c.autotune_warmup_samples if warmup_samples is None else warmup_samples,
-            steps_per_sample or c.autotune_steps_per_sample,
-            max_samples or c.autotune_max_samples, log_path or c.autotune_log)
-        return self._autotuner
+        self._overlaps = None if settings.overlap is None else bool(settings.overlap)
 
     @property
-    def overlaps(self) -> bool:
-        """Whether DistributedOptimizer reduces gradients during backward (RINGSYNC_OVERLAP;
-        the same on every rank)."""
+    def overlaps(self) -> Optional[bool]:
+        """Whether an adapter should reduce gradients during backward, as every rank agreed:
+        RINGSYNC_OVERLAP=on/off, or what tune() (autotune) set; None for auto, where the
+        adapter applies its own rule (torch: ringsync.torch.optimizer.overlaps)."""
         return self._overlaps
-
-    @property
-    def autotuner(self) -> Optional[Autotuner]:
-        return self._autotuner
 
     # ---- lifetime and state ----
 
@@ -244,16 +215,14 @@ class Communicator(GroupedCollectives):
 
     # ---- handles ----
 
-    def _submit(self, requests, finish, what) -> Handle:
-        return self._submitter.submit(self, requests, finish, what)
+    _call = staticmethod(lambda requests, finish, what, takes=False: _Call(
+        requests, finish, what, takes))  # (for the GroupedCollectives mixin)
 
-    def _submit_taking(self, requests, finish, what) -> Handle:
-        """Requests whose results the native core holds ((data, rows, splits) each):
-        synchronize returns finish(their results, in order)."""
-        handle = None
-        handle = self._submit(requests, lambda: finish(
-            [self._submitter.take_result(i) for i in handle._ids]), what)
-        return handle
+    def _start(self, call: "_Call") -> Handle:
+        return self._submitter.start(self, call.requests, call.finish, call.what, call.takes)
+
+    def _run(self, call: "_Call"):
+        return self._submitter.run(self, call.requests, call.finish, call.what, call.takes)
 
     def poll(self, handle: Handle) -> bool:
         """True once every tensor of the handle has completed (then synchronize won't block)."""
@@ -268,7 +237,7 @@ class Communicator(GroupedCollectives):
                              "current (open) communicator")
         return self._submitter.synchronize(handle)
 
-    # ---- allreduce ----
+    # ---- refusals ----
 
     def _checked(self, names, kind: int, blocking: bool, build):
         """build(): a call's own checks and requests. A check that fails here must fail the
@@ -295,12 +264,14 @@ class Communicator(GroupedCollectives):
         names = [first] if count is None else [f"{first}.{i}" for i in range(count)]
         self._submitter.refuse(names, kind, error, blocking=True)
 
-    def _allreduce(self, x, out, op, prescale, postscale, name, what, blocking):
-        """A Handle; or, for a blocking call the same-host lane ran, the result itself.
-        out: None (a new array), _IN_PLACE (x itself) or the caller's output array."""
+    # ---- allreduce ----
+
+    def _allreduce_args(self, x, out, op, prescale, postscale, name, what, blocking):
+        """(src, out, name, op code, prescale, postscale, what) of an allreduce, checked.
+        out: None (a new array), IN_PLACE (x itself) or the caller's output array."""
         name = self._name(name, "allreduce")
         try:  # (inline, not _checked: this is every allreduce's path)
-            if out is _IN_PLACE:
+            if out is IN_PLACE:
                 src = out = as_output(x, what, name)
             else:
                 src = as_input(x, what, name)
@@ -309,8 +280,7 @@ class Communicator(GroupedCollectives):
         except (TypeError, ValueError) as exc:
             self._submitter.refuse([name], lib.RS_KIND_ALLREDUCE, exc, blocking)
             raise
-        return self._submitter.submit_allreduce(self, src, out, name, code, prescale, postscale,
-                                                what, blocking)
+        return src, out, name, code, prescale, postscale, what
 
     @staticmethod
     def _output_like(src, out, name):
@@ -320,59 +290,58 @@ class Communicator(GroupedCollectives):
                              f"{out.shape}, the input {src.dtype} {src.shape}")
         return out
 
-    def allreduce_async(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
-                        name=None, _blocking=False) -> Handle:
-        """Start reducing x over all ranks into a new array; synchronize returns it."""
-        return self._as_handle(self._allreduce(
-            x, None, op, prescale_factor, postscale_factor, name, "allreduce", _blocking),
-            "allreduce", name)
-
-    def allreduce_async_(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
-                         name=None, _blocking=False) -> Handle:
-        """Start reducing x in place; synchronize returns x's array."""
-        return self._as_handle(self._allreduce(
-            x, _IN_PLACE, op, prescale_factor, postscale_factor, name, "allreduce_", _blocking),
-            "allreduce_", name)
-
-    def _as_handle(self, result, what, name) -> Handle:
-        """A handle for what _allreduce returned (a result the lane computed: done)."""
-        if type(result) is Handle:
-            return result
-        return Handle(self, [], None, lambda: result, what, [name])
-
     def allreduce(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
                   name=None):
-        return self._wait_unless_done(self._allreduce(
+        """x reduced over all ranks, in a new array."""
+        return self._submitter.run_allreduce(self, *self._allreduce_args(
             x, None, op, prescale_factor, postscale_factor, name, "allreduce", True))
 
     def allreduce_(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
                    name=None):
-        return self._wait_unless_done(self._allreduce(
-            x, _IN_PLACE, op, prescale_factor, postscale_factor, name, "allreduce_", True))
+        """Reduce x in place; returns x's array."""
+        return self._submitter.run_allreduce(self, *self._allreduce_args(
+            x, IN_PLACE, op, prescale_factor, postscale_factor, name, "allreduce_", True))
 
     def allreduce_into(self, x, out, op=ReduceOp.AVERAGE, prescale_factor=1.0,
                        postscale_factor=1.0, name=None):
         """allreduce() into memory the caller gives (out: a writable C-contiguous array of
         x's dtype and shape, not overlapping x); returns out. For adapters that hand the
         result to a framework which adopts only memory it likes (aligned, say)."""
-        if out is None or out is _IN_PLACE:
+        if out is None or out is IN_PLACE:
             raise UsageError("ringsync.allreduce_into: out must be an array")
-        return self._wait_unless_done(self._allreduce(
+        return self._submitter.run_allreduce(self, *self._allreduce_args(
             x, out, op, prescale_factor, postscale_factor, name, "allreduce", True))
 
-    def _wait_unless_done(self, result):
-        return self.synchronize(result) if type(result) is Handle else result
+    def allreduce_async(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
+                        name=None) -> Handle:
+        """Start reducing x over all ranks into a new array; synchronize returns it."""
+        return self._submitter.start_allreduce(self, *self._allreduce_args(
+            x, None, op, prescale_factor, postscale_factor, name, "allreduce", False))
+
+    def allreduce_async_(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
+                         name=None) -> Handle:
+        """Start reducing x in place; synchronize returns x's array."""
+        return self._submitter.start_allreduce(self, *self._allreduce_args(
+            x, IN_PLACE, op, prescale_factor, postscale_factor, name, "allreduce_", False))
+
+    def prepare_allreduce_(self, name: str, like, op=ReduceOp.AVERAGE, prescale_factor=1.0,
+                           postscale_factor=1.0) -> PreparedAllreduce:
+        """Everything about an in-place allreduce on this communicator but the memory,
+        checked once: prepared.start(address, keep) then submits it from the same request
+        cache as every allreduce (a DistributedOptimizer starts every gradient of every
+        step this way). like: an array with the tensor's dtype and shape."""
+        like = np.asarray(like)
+        return self._submitter.prepare_allreduce_(self, str(name), like,
+                                                  as_op(op, "allreduce_"),
+                                                  prescale_factor, postscale_factor)
 
     # ---- allgather ----
 
-    def allgather_async(self, x, name=None, _blocking=False) -> Handle:
-        """Start concatenating every rank's x along the first dimension (which may differ
-        by rank; a 0-d array counts as one row)."""
+    def _allgather_call(self, x, name, blocking) -> "_Call":
         name = self._name(name, "allgather")
-        request, finish = self._checked([name], lib.RS_KIND_ALLGATHER, _blocking,
-                                        lambda: self._allgather_request(x, name, "allgather",
-                                                                        _blocking))
-        return self._submit_taking([request], lambda results: finish(results[0]), "allgather")
+        request, finish = self._checked([name], lib.RS_KIND_ALLGATHER, blocking, lambda: (
+            self._allgather_request(x, name, "allgather", blocking)))
+        return _Call([request], lambda results: finish(results[0]), "allgather", takes=True)
 
     def _allgather_request(self, x, name, what, blocking):
         """The request, and how to turn its result (data, rows, splits) into an array."""
@@ -383,21 +352,21 @@ class Communicator(GroupedCollectives):
                                                           src.dtype)
 
     def allgather(self, x, name=None):
-        return self.synchronize(self.allgather_async(x, name, _blocking=True))
+        """Every rank's x concatenated along the first dimension (which may differ by rank;
+        a 0-d array counts as one row)."""
+        return self._run(self._allgather_call(x, name, True))
+
+    def allgather_async(self, x, name=None) -> Handle:
+        """Start an allgather (see allgather)."""
+        return self._start(self._allgather_call(x, name, False))
 
     # ---- broadcast ----
 
-    def broadcast_async(self, x, root_rank, name=None, _blocking=False) -> Handle:
-        return self._broadcast(x, root_rank, name, "broadcast", _blocking)
-
-    def broadcast_async_(self, x, root_rank, name=None, _blocking=False) -> Handle:
-        return self._broadcast(x, root_rank, name, "broadcast_", _blocking)
-
-    def _broadcast(self, x, root_rank, name, what, blocking):
+    def _broadcast_call(self, x, root_rank, name, what, blocking) -> "_Call":
         name = self._name(name, "broadcast")
         request = self._checked([name], lib.RS_KIND_BROADCAST, blocking, lambda: (
             self._broadcast_request(x, root_rank, name, what, blocking)))
-        return self._submit([request], lambda: request.out, what)
+        return _Call([request], lambda: request.out, what)
 
     def _broadcast_request(self, x, root_rank, name, what, blocking):
         root = self._ring_rank.get(root_rank) if isinstance(root_rank, (int, np.integer)) else None
@@ -412,23 +381,26 @@ class Communicator(GroupedCollectives):
 
     def broadcast(self, x, root_rank, name=None):
         """A new array holding root_rank's x on every rank."""
-        return self.synchronize(self.broadcast_async(x, root_rank, name, _blocking=True))
+        return self._run(self._broadcast_call(x, root_rank, name, "broadcast", True))
 
     def broadcast_(self, x, root_rank, name=None):
         """Overwrite x on every rank with root_rank's x, in place; returns x's array."""
-        return self.synchronize(self.broadcast_async_(x, root_rank, name, _blocking=True))
+        return self._run(self._broadcast_call(x, root_rank, name, "broadcast_", True))
+
+    def broadcast_async(self, x, root_rank, name=None) -> Handle:
+        return self._start(self._broadcast_call(x, root_rank, name, "broadcast", False))
+
+    def broadcast_async_(self, x, root_rank, name=None) -> Handle:
+        return self._start(self._broadcast_call(x, root_rank, name, "broadcast_", False))
 
     # ---- reducescatter ----
 
-    def reducescatter_async(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0,
-                            postscale_factor=1.0, name=None, _blocking=False) -> Handle:
-        """Reduce x over all ranks; rank r gets the r-th slice of the first dimension
-        (split as evenly as possible, the first ranks taking one more row)."""
+    def _reducescatter_call(self, x, op, prescale, postscale, name, blocking) -> "_Call":
         name = self._name(name, "reducescatter")
-        request, out = self._checked([name], lib.RS_KIND_REDUCESCATTER, _blocking, lambda: (
-            self._reducescatter_request(x, as_op(op, "reducescatter"), prescale_factor,
-                                        postscale_factor, name, "reducescatter", _blocking)))
-        return self._submit([request], lambda: out, "reducescatter")
+        request, out = self._checked([name], lib.RS_KIND_REDUCESCATTER, blocking, lambda: (
+            self._reducescatter_request(x, as_op(op, "reducescatter"), prescale, postscale,
+                                        name, "reducescatter", blocking)))
+        return _Call([request], lambda: out, "reducescatter")
 
     def _reducescatter_request(self, x, code, prescale, postscale, name, what, blocking):
         src = as_input(x, what, name)
@@ -442,26 +414,30 @@ class Communicator(GroupedCollectives):
 
     def reducescatter(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
                       name=None):
-        return self.synchronize(self.reducescatter_async(x, op, prescale_factor,
-                                                         postscale_factor, name, _blocking=True))
+        """Reduce x over all ranks; rank r gets the r-th slice of the first dimension
+        (split as evenly as possible, the first ranks taking one more row)."""
+        return self._run(self._reducescatter_call(x, op, prescale_factor, postscale_factor,
+                                                  name, True))
+
+    def reducescatter_async(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0,
+                            postscale_factor=1.0, name=None) -> Handle:
+        return self._start(self._reducescatter_call(x, op, prescale_factor, postscale_factor,
+                                                    name, False))
 
     # ---- alltoall ----
 
-    def alltoall_async(self, x, splits=None, name=None, _blocking=False) -> Handle:
-        """Send splits[i] rows of x (in rank order) to rank i. synchronize returns the rows
-        received, in rank order, and — when splits was given, as in Horovod — the number of
-        rows received from each rank."""
+    def _alltoall_call(self, x, splits, name, blocking) -> "_Call":
         name = self._name(name, "alltoall")
-        request = self._checked([name], lib.RS_KIND_ALLTOALL, _blocking, lambda: (
-            self._alltoall_request(x, splits, name, _blocking)))
+        request = self._checked([name], lib.RS_KIND_ALLTOALL, blocking, lambda: (
+            self._alltoall_request(x, splits, name, blocking)))
         src = request.src
 
-        def finish(result):
-            data, received, from_each = result
+        def finish(results):
+            data, received, from_each = results[0]
             out = wrap_native_result(data, received, src.shape[1:], src.dtype)
             return out if splits is None else (out, from_each)
 
-        return self._submit_taking([request], lambda results: finish(results[0]), "alltoall")
+        return _Call([request], finish, "alltoall", takes=True)
 
     def _alltoall_request(self, x, splits, name, blocking):
         src = as_input(x, "alltoall", name)
@@ -482,7 +458,35 @@ class Communicator(GroupedCollectives):
                             blocking=blocking)
 
     def alltoall(self, x, splits=None, name=None):
-        return self.synchronize(self.alltoall_async(x, splits, name, _blocking=True))
+        """Send splits[i] rows of x (in rank order) to rank i; returns the rows received,
+        in rank order, and — when splits was given, as in Horovod — the number of rows
+        received from each rank."""
+        return self._run(self._alltoall_call(x, splits, name, True))
+
+    def alltoall_async(self, x, splits=None, name=None) -> Handle:
+        return self._start(self._alltoall_call(x, splits, name, False))
+
+    # ---- Python objects ----
+
+    def broadcast_object(self, obj, root_rank=0, name=None):
+        """root_rank's obj (anything picklable) on every rank; root_rank as broadcast's."""
+        name = name or "broadcast_object"
+        mine = self.world_rank() == root_rank
+        payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if mine else None
+        size = self.broadcast(np.array([0 if payload is None else payload.size], np.int64),
+                              root_rank, name=f"{name}.size")
+        buf = payload if payload is not None else np.empty(int(size[0]), np.uint8)
+        data = self.broadcast(buf, root_rank, name=f"{name}.data")
+        return obj if mine else pickle.loads(data.tobytes())  # the root keeps its own
+
+    def allgather_object(self, obj, name=None):
+        """A list of every rank's obj (picklable), in rank order."""
+        name = name or "allgather_object"
+        payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+        sizes = self.allgather(np.array([payload.size], np.int64), name=f"{name}.sizes")
+        data = self.allgather(payload, name=f"{name}.data").tobytes()
+        starts = np.concatenate([[0], np.cumsum(sizes)])
+        return [pickle.loads(data[starts[i]:starts[i + 1]]) for i in range(len(sizes))]
 
     # ---- point-to-point ----
 
@@ -511,7 +515,7 @@ class Communicator(GroupedCollectives):
         request = make_request("send", lib.RS_KIND_SEND, self._message_name(name, "send"), src,
                                None, root=dst)
         request.start_now = True  # nothing to fuse with: start the round now
-        return self._submit([request], lambda: None, "send")
+        return self._start(_Call([request], lambda: None, "send"))
 
     def recv_async(self, out, src: int, name=None) -> Handle:
         """Start receiving rank src's message into out (writable, C-contiguous, with the
@@ -522,7 +526,7 @@ class Communicator(GroupedCollectives):
         request = make_request("recv", lib.RS_KIND_RECV, self._message_name(name, "recv"), buf,
                                buf, root=src_rank)
         request.start_now = True
-        return self._submit([request], lambda: buf, "recv")
+        return self._start(_Call([request], lambda: buf, "recv"))
 
     def send(self, x, dst: int, name=None) -> None:
         """Send x to rank dst; returns once dst has received it (see send_async)."""
@@ -538,7 +542,7 @@ class Communicator(GroupedCollectives):
         """Returns once every rank has called barrier()."""
         request = make_request("barrier", lib.RS_KIND_BARRIER, self._name(None, "barrier"),
                                 np.empty(0, np.uint8), None, blocking=True)
-        self.synchronize(self._submit([request], lambda: None, "barrier"))
+        self._run(_Call([request], lambda: None, "barrier"))
 
     def join(self) -> int:
         """This rank has no more data. Until every rank has joined, it takes part in the
@@ -546,8 +550,8 @@ class Communicator(GroupedCollectives):
         collectives fail while a rank has joined. Returns the last rank to join."""
         request = make_request("join", lib.RS_KIND_JOIN, "ringsync.join",
                                 np.empty(0, np.uint8), None, blocking=True)
-        return self.synchronize(self._submit_taking(
-            [request], lambda results: self.world_ranks[results[0][1]], "join"))
+        return self._run(_Call([request], lambda results: self.world_ranks[results[0][1]],
+                               "join", takes=True))
 
     def start_timeline(self, path: str, mark_cycles: bool = False):
         """Record a Chrome-trace timeline (open it in Perfetto) of every tensor's phases on

@@ -3,7 +3,7 @@ together (one round) and fused together, so that a group starts only once every 
 has submitted all of it. Tensor i of a group named `base` travels as `base.i`.
 
 A mixin of Communicator: it builds on the single-tensor requests that class makes
-(_name, _submit, _submit_taking, _allgather_request, _reducescatter_request)."""
+(_name, _checked, _call, _run, _start, _allgather_request, _reducescatter_request)."""
 import numpy as np
 
 from ._arrays import as_input, as_output
@@ -27,60 +27,72 @@ def _allreduce_request(x, what, name, code, prescale, postscale, in_place, block
 
 class GroupedCollectives:
 
-    def grouped_allreduce_async(self, tensors, op=ReduceOp.AVERAGE, prescale_factor=1.0,
-                                postscale_factor=1.0, name=None, _in_place=False,
-                                _blocking=False) -> Handle:
-        """Reduce a list of tensors as one unit; synchronize returns the list of results."""
-        what = "grouped_allreduce_" if _in_place else "grouped_allreduce"
+    def _grouped_allreduce_call(self, tensors, op, prescale, postscale, name, in_place,
+                                blocking):
+        what = "grouped_allreduce_" if in_place else "grouped_allreduce"
         tensors, names = _named(tensors, self._name(name, "grouped_allreduce"))
-        requests = self._checked(names, lib.RS_KIND_ALLREDUCE, _blocking, lambda: [
-            _allreduce_request(x, what, name, as_op(op, what), prescale_factor,
-                               postscale_factor, _in_place, _blocking)
+        requests = self._checked(names, lib.RS_KIND_ALLREDUCE, blocking, lambda: [
+            _allreduce_request(x, what, name, as_op(op, what), prescale, postscale, in_place,
+                               blocking)
             for x, name in zip(tensors, names)])
         outs = [request.out for request in requests]
-        return self._submit(requests, lambda: outs, what)
-
-    def grouped_allreduce_async_(self, tensors, op=ReduceOp.AVERAGE, prescale_factor=1.0,
-                                 postscale_factor=1.0, name=None) -> Handle:
-        return self.grouped_allreduce_async(tensors, op, prescale_factor, postscale_factor, name,
-                                            _in_place=True)
+        return self._call(requests, lambda: outs, what)
 
     def grouped_allreduce(self, tensors, op=ReduceOp.AVERAGE, prescale_factor=1.0,
                           postscale_factor=1.0, name=None):
-        return self.synchronize(self.grouped_allreduce_async(
-            tensors, op, prescale_factor, postscale_factor, name, _blocking=True))
+        """Reduce a list of tensors as one unit; returns the list of results."""
+        return self._run(self._grouped_allreduce_call(
+            tensors, op, prescale_factor, postscale_factor, name, False, True))
 
     def grouped_allreduce_(self, tensors, op=ReduceOp.AVERAGE, prescale_factor=1.0,
                            postscale_factor=1.0, name=None):
-        return self.synchronize(self.grouped_allreduce_async(
-            tensors, op, prescale_factor, postscale_factor, name, _in_place=True, _blocking=True))
+        """Reduce a list of tensors in place, as one unit; returns their arrays."""
+        return self._run(self._grouped_allreduce_call(
+            tensors, op, prescale_factor, postscale_factor, name, True, True))
 
-    def grouped_allgather_async(self, tensors, name=None, _blocking=False) -> Handle:
-        """Allgather a list of tensors as one unit; synchronize returns the list."""
+    def grouped_allreduce_async(self, tensors, op=ReduceOp.AVERAGE, prescale_factor=1.0,
+                                postscale_factor=1.0, name=None) -> Handle:
+        return self._start(self._grouped_allreduce_call(
+            tensors, op, prescale_factor, postscale_factor, name, False, False))
+
+    def grouped_allreduce_async_(self, tensors, op=ReduceOp.AVERAGE, prescale_factor=1.0,
+                                 postscale_factor=1.0, name=None) -> Handle:
+        return self._start(self._grouped_allreduce_call(
+            tensors, op, prescale_factor, postscale_factor, name, True, False))
+
+    def _grouped_allgather_call(self, tensors, name, blocking):
         tensors, names = _named(tensors, self._name(name, "grouped_allgather"))
-        made = self._checked(names, lib.RS_KIND_ALLGATHER, _blocking, lambda: [
-            self._allgather_request(x, name, "grouped_allgather", _blocking)
+        made = self._checked(names, lib.RS_KIND_ALLGATHER, blocking, lambda: [
+            self._allgather_request(x, name, "grouped_allgather", blocking)
             for x, name in zip(tensors, names)])
-        return self._submit_taking([request for request, _ in made], lambda results: [
-            finish(result) for (_, finish), result in zip(made, results)], "grouped_allgather")
+        return self._call([request for request, _ in made], lambda results: [
+            finish(result) for (_, finish), result in zip(made, results)], "grouped_allgather",
+            takes=True)
 
     def grouped_allgather(self, tensors, name=None):
-        return self.synchronize(self.grouped_allgather_async(tensors, name, _blocking=True))
+        """Allgather a list of tensors as one unit; returns the list."""
+        return self._run(self._grouped_allgather_call(tensors, name, True))
 
-    def grouped_reducescatter_async(self, tensors, op=ReduceOp.AVERAGE, prescale_factor=1.0,
-                                    postscale_factor=1.0, name=None, _blocking=False) -> Handle:
-        """Reducescatter a list of tensors as one unit; synchronize returns the list."""
+    def grouped_allgather_async(self, tensors, name=None) -> Handle:
+        return self._start(self._grouped_allgather_call(tensors, name, False))
+
+    def _grouped_reducescatter_call(self, tensors, op, prescale, postscale, name, blocking):
         tensors, names = _named(tensors, self._name(name, "grouped_reducescatter"))
-        made = self._checked(names, lib.RS_KIND_REDUCESCATTER, _blocking, lambda: [
-            self._reducescatter_request(x, as_op(op, "grouped_reducescatter"), prescale_factor,
-                                        postscale_factor, name, "grouped_reducescatter",
-                                        _blocking)
+        made = self._checked(names, lib.RS_KIND_REDUCESCATTER, blocking, lambda: [
+            self._reducescatter_request(x, as_op(op, "grouped_reducescatter"), prescale,
+                                        postscale, name, "grouped_reducescatter", blocking)
             for x, name in zip(tensors, names)])
         outs = [out for _, out in made]
-        return self._submit([request for request, _ in made], lambda: outs,
-                            "grouped_reducescatter")
+        return self._call([request for request, _ in made], lambda: outs,
+                          "grouped_reducescatter")
 
     def grouped_reducescatter(self, tensors, op=ReduceOp.AVERAGE, prescale_factor=1.0,
                               postscale_factor=1.0, name=None):
-        return self.synchronize(self.grouped_reducescatter_async(
-            tensors, op, prescale_factor, postscale_factor, name, _blocking=True))
+        """Reducescatter a list of tensors as one unit; returns the list."""
+        return self._run(self._grouped_reducescatter_call(
+            tensors, op, prescale_factor, postscale_factor, name, True))
+
+    def grouped_reducescatter_async(self, tensors, op=ReduceOp.AVERAGE, prescale_factor=1.0,
+                                    postscale_factor=1.0, name=None) -> Handle:
+        return self._start(self._grouped_reducescatter_call(
+            tensors, op, prescale_factor, postscale_factor, name, False))

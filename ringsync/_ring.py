@@ -12,7 +12,7 @@ import socket
 
 from . import addresses, bootstrap
 from ._native import ffi, lib
-from .config import LOG_LEVELS, Config, hierarchical_mode, log_enabled
+from .config import Config, hierarchical_mode, log_enabled
 from .errors import CommunicationError, UsageError
 from .rendezvous import Rendezvous
 
@@ -76,18 +76,9 @@ class NativeRing:
             self.config.hierarchical_bytes)
 
     def _choice_error(self):
-        """None, or a usage error for a setting that is none of its choices."""
-        text = self.config.hierarchical_allreduce
-        if hierarchical_mode(text) not in _HIERARCHICAL_MODES:
-            return ("usage", f"rank {self.rank}: RINGSYNC_HIERARCHICAL_ALLREDUCE={text!r} is "
-                    f"not one of auto, on, off, 1, 0")
-        if self.config.overlap.lower() not in ("auto", "on", "off"):
-            return ("usage", f"rank {self.rank}: RINGSYNC_OVERLAP={self.config.overlap!r} "
-                    "is not one of auto, on, off")
-        if self.config.log_level.lower() not in LOG_LEVELS:
-            return ("usage", f"rank {self.rank}: RINGSYNC_LOG_LEVEL={self.config.log_level!r} "
-                    f"is not one of {', '.join(LOG_LEVELS)}")
-        return None
+        """None, or a usage error for the settings that are none of their choices."""
+        problems = self.config.choice_problems()
+        return ("usage", f"rank {self.rank}: " + "; ".join(problems)) if problems else None
 
     def _spin_seconds(self) -> float:
         """Spinning pays only where the ranks' threads need not share cores: on 2 cores
@@ -96,15 +87,6 @@ class NativeRing:
         if self.config.spin_us >= 0:
             return min(self.config.spin_us, 1e6) * 1e-6
         return 20e-6 if _cores_per_local_rank(self.topology.local_size) >= 2 else 0.0
-
-    def overlaps(self) -> bool:
-        """Whether gradient reductions should run during backward (RINGSYNC_OVERLAP). The
-        same on every rank: auto looks only at what ranks of one host share."""
-        mode = self.config.overlap.lower()
-        if mode != "auto":
-            return mode == "on"
-        spare = (os.cpu_count() or 1) / self.topology.local_size >= 2
-        return not self.lane or spare
 
     def _lane_spin_seconds(self) -> float:
         """The lane's waits run on the calling thread while the engine thread sleeps: one

@@ -14,15 +14,10 @@ import numpy as np
 
 from ._arrays import describe, dtype_code, pointer
 from ._native import ffi, lib
-from .errors import CommunicationError, CommunicationTimeout, MismatchError, UsageError
+from .errors import STATUS_CODES, MismatchError, UsageError, error_class
 
-_STATUS_ERRORS = {
-    lib.RS_ERR_USAGE: UsageError,
-    lib.RS_ERR_NOMEM: MemoryError,
-    lib.RS_ERR_COMM: CommunicationError,
-    lib.RS_ERR_TIMEOUT: CommunicationTimeout,
-    lib.RS_ERR_SYSTEM: CommunicationError,
-}
+assert all(getattr(lib, name) == code for name, code in STATUS_CODES.items()), \
+    "errors.STATUS_CODES != ringsync.h"
 _WAIT_SLICE_SECONDS = 0.2  # waits return this often so that Ctrl-C gets through
 
 
@@ -107,54 +102,55 @@ def fill_struct(s, r: Request):
 
 
 class PreparedAllreduce:
-    """An in-place allreduce built once (see _core.prepare_allreduce_), started many times."""
+    """An in-place allreduce of one named tensor (its dtype, shape, op and scale factors) on
+    one communicator, made once (Communicator.prepare_allreduce_) and started many times
+    on new memory: a DistributedOptimizer starts every gradient of every step this way.
+    Its native request comes from the submitter's request cache, as every allreduce's."""
 
-    __slots__ = ("comm", "name", "name_c", "names", "struct", "ids")
+    __slots__ = ("comm", "submitter", "name", "key", "like")
 
-    def __init__(self, comm, request: Request):
-        self.comm, self.name = comm, request.name
-        self.name_c = ffi.new("char[]", request.name.encode())
-        self.names = ffi.new("const char *[1]")
-        self.names[0] = self.name_c
-        self.struct = ffi.new("rs_request_t *")
-        fill_struct(self.struct, request)
-        self.ids = ffi.new("int64_t[1]")
+    def __init__(self, comm, submitter, name: str, like: np.ndarray, key):
+        self.comm, self.submitter, self.name, self.key, self.like = comm, submitter, name, key, like
 
     def start(self, address: int, keep) -> Handle:
-        """Reduce the tensor in place at `address` (keep holds that memory alive until the
-        engine is done with it); synchronize returns keep. Private API: the address must
-        point at memory of the prepared size that `keep` owns."""
+        """Reduce the tensor in place at `address`, memory of the prepared dtype and shape
+        that `keep` owns and holds alive until the engine is done with it; synchronize
+        returns keep."""
         if self.comm.closed:
             raise UsageError("ringsync: the allreduce was prepared for a communicator that is "
                              "closed now")
-        return self.comm._submitter.submit_prepared(self.comm, self, address, keep)
+        return self.submitter.start_prepared(self.comm, self, address, keep)
 
 
-_FAST_CACHE_LIMIT = 4096  # entries per thread; past it the cache starts over
+_CACHE_LIMIT = 4096  # entries per thread; past it the cache starts over
 
 
-class _AllreduceStructs(threading.local):
-    """A calling thread's native allreduce requests, built once per (dtype, shape, op,
-    scale factors, blocking) and reused with new buffers, and each name's C string: an
-    allreduce then costs two cffi calls instead of building a Request (a backward pass of
-    hundreds of small gradients, or a 4-byte allreduce, is dominated by that Python work).
-    Per thread: a struct carries the buffers of the call being submitted."""
+class _RequestCache(threading.local):
+    """The one cache of native allreduce requests: a calling thread's, one per (dtype,
+    shape, op, scale factors, blocking), reused with new buffers, and each name's C string.
+    An allreduce then costs two cffi calls instead of building a Request (a backward pass
+    of hundreds of small gradients, or a 4-byte allreduce, is dominated by that Python
+    work). Per thread: a struct carries the buffers of the call being submitted (the engine
+    copies it at submission)."""
 
     def __init__(self):
         self.structs, self.names = {}, {}
         self.ran = ffi.new("int *")  # the lane's answer (this thread's calls only)
 
-    def add_struct(self, key, struct):
-        if len(self.structs) >= _FAST_CACHE_LIMIT:
-            self.structs.clear()
-        self.structs[key] = struct
-        return struct
+    def struct(self, key, src, name, what):
+        """The request for key (built from src, an array like the tensor, on first use)."""
+        found = self.structs.get(key)
+        if found is None:
+            if len(self.structs) >= _CACHE_LIMIT:
+                self.structs.clear()
+            found = self.structs[key] = _allreduce_struct(src, name, what, *key[2:])
+        return found
 
     def name(self, name: str):
         """(the name as C string, a one-entry array of it, its bytes)."""
         found = self.names.get(name)
         if found is None:
-            if len(self.names) >= _FAST_CACHE_LIMIT:
+            if len(self.names) >= _CACHE_LIMIT:
                 self.names.clear()
             data = name.encode()
             c_name = ffi.new("char[]", data)
@@ -162,29 +158,41 @@ class _AllreduceStructs(threading.local):
         return found
 
 
+def _allreduce_struct(src, name, what, op, prescale, postscale, blocking):
+    """The native request of an allreduce like src's (checked as make_request checks every
+    request); the buffers are filled in at each call."""
+    request = make_request(what, lib.RS_KIND_ALLREDUCE, name, src, src, op=op,
+                           prescale=prescale, postscale=postscale, reduces=True,
+                           blocking=blocking)
+    struct = ffi.new("rs_request_t *")
+    fill_struct(struct, request)
+    struct.sendbuf = struct.recvbuf = ffi.NULL  # (no pointer into the first caller's array)
+    return struct
+
+
 class Submitter:
-    """Submits requests to a NativeRing's engine and waits for them."""
+    """Submits requests to a NativeRing's engine and waits for them. Two entry points, as
+    mpi4py's Allreduce / Iallreduce: run() returns a blocking call's result (trying the
+    same-host lane first), start() returns a Handle at once."""
 
     def __init__(self, ring):
         self.ring = ring
         self._per_thread = threading.local()
-        self._allreduces = _AllreduceStructs()
+        self._cache = _RequestCache()
         # (handle ids, buffers) of dropped pending handles. A deque: a handle may be dropped
         # (by the garbage collector, in any thread) while a sweep runs, and its append and
         # popleft are atomic.
         self.orphans = collections.deque()
 
-    # ---- submitting ----
+    # ---- the two entry points ----
 
-    def submit(self, comm, requests: List[Request], finish: Callable, what: str) -> Handle:
-        """Hand requests to the engine. A request that may take the same-host lane runs
-        there when the lane can run it (allreduces and barriers)."""
+    def start(self, comm, requests: List[Request], finish: Callable, what: str,
+              takes: bool = False) -> Handle:
+        """Hand requests to the engine; synchronize(handle) returns finish(), or, where the
+        native core holds the results (takes: allgather, alltoall, join), finish(their
+        (data, rows, splits), in order)."""
         if self.orphans:
             self.release_finished_orphans()
-        if (len(requests) == 1 and requests[0].try_lane and self.ring.lane
-                and not self.ring.closed):
-            if self._run_on_lane(requests[0], what):  # done: synchronize only finishes it
-                return Handle(comm, [], None, finish, what, [requests[0].name])
         n = len(requests)
         names = [ffi.new("char[]", r.name.encode()) for r in requests]
         structs = ffi.new("rs_request_t[]", n)
@@ -194,35 +202,79 @@ class Submitter:
                                       structs, n, ids)
         if status != lib.RS_OK:
             self.raise_engine_error(status, what)
-        return Handle(comm, list(ids), keep, finish, what, [r.name for r in requests])
+        ids = list(ids)
+        done = (lambda: finish([self.take_result(i) for i in ids])) if takes else finish
+        return Handle(comm, ids, keep, done, what, [r.name for r in requests])
 
-    def submit_allreduce(self, comm, src: np.ndarray, out: np.ndarray, name: str, op: int,
-                         prescale: float, postscale: float, what: str, blocking: bool):
-        """An allreduce of src into out (arrays already checked as input and output): a
-        Handle, or, for a blocking call that the same-host lane ran, out itself."""
-        if self.orphans:
-            self.release_finished_orphans()
-        cache = self._allreduces
-        key = (src.dtype, src.shape, op, prescale, postscale, blocking)
-        struct = cache.structs.get(key)
-        if struct is None:
-            try:
-                struct = cache.add_struct(key, self._allreduce_struct(
-                    src, name, op, prescale, postscale, what, blocking))
-            except UsageError as exc:
-                self.refuse([name], lib.RS_KIND_ALLREDUCE, exc, blocking)
-                raise
-        send = ffi.from_buffer(src)
-        recv = send if out is src else ffi.from_buffer(out)
-        struct.sendbuf, struct.recvbuf = send, recv
-        c_name, c_names, name_bytes = cache.name(name)
-        if blocking and self.ring.lane and not self.ring.closed:
-            ran = cache.ran
-            status = lib.rs_engine_try_lane(self.ring.engine, name_bytes, struct, ran)
+    def run(self, comm, requests: List[Request], finish: Callable, what: str,
+            takes: bool = False):
+        """A blocking call's result: on the same-host lane where it can run there (one
+        allreduce or barrier), else through the engine, waited for here."""
+        if (len(requests) == 1 and requests[0].try_lane and self.ring.lane
+                and not self.ring.closed and self._run_on_lane(requests[0], what)):
+            return finish()
+        return self.synchronize(self.start(comm, requests, finish, what, takes))
+
+    def start_allreduce(self, comm, src: np.ndarray, out: np.ndarray, name: str, op: int,
+                        prescale: float, postscale: float, what: str) -> Handle:
+        """start() for an allreduce of src into out (arrays checked as input and output),
+        through the request cache."""
+        struct = self._cached_struct(src, name, op, prescale, postscale, what, False)
+        return self._submit_struct(comm, struct, src, out, name, what)
+
+    def run_allreduce(self, comm, src: np.ndarray, out: np.ndarray, name: str, op: int,
+                      prescale: float, postscale: float, what: str):
+        """run() for an allreduce of src into out, through the request cache: returns out."""
+        struct = self._cached_struct(src, name, op, prescale, postscale, what, True)
+        if self.ring.lane and not self.ring.closed:
+            struct.sendbuf = ffi.from_buffer(src)
+            struct.recvbuf = struct.sendbuf if out is src else ffi.from_buffer(out)
+            ran = self._cache.ran
+            status = lib.rs_engine_try_lane(self.ring.engine, self._cache.name(name)[2],
+                                            struct, ran)
             if status != lib.RS_OK:
                 self.raise_engine_error(status, what, name, MismatchError)
             if ran[0]:
                 return out
+        return self.synchronize(self._submit_struct(comm, struct, src, out, name, what))
+
+    def prepare_allreduce_(self, comm, name: str, like: np.ndarray, op: int, prescale: float,
+                           postscale: float) -> PreparedAllreduce:
+        """An in-place allreduce of tensors like `like`, named `name`, checked now."""
+        like = np.broadcast_to(np.zeros((), like.dtype), like.shape)  # (no hold on its memory)
+        key = (like.dtype, like.shape, op, float(prescale), float(postscale), False)
+        self._cache.struct(key, like, name, "allreduce_")  # (its checks fail here, not later)
+        return PreparedAllreduce(comm, self, name, like, key)
+
+    def start_prepared(self, comm, prepared: PreparedAllreduce, address: int, keep) -> Handle:
+        """Start a prepared in-place allreduce of the memory at `address` (kept alive by
+        `keep`, which synchronize returns)."""
+        if self.orphans:
+            self.release_finished_orphans()
+        s = self._cache.struct(prepared.key, prepared.like, prepared.name, "allreduce_")
+        s.sendbuf = s.recvbuf = ffi.cast("void *", address)
+        ids = ffi.new("int64_t[1]")
+        status = lib.rs_engine_submit(self.ring.engine, self._cache.name(prepared.name)[1], s,
+                                      1, ids)
+        if status != lib.RS_OK:
+            self.raise_engine_error(status, "allreduce_")
+        return Handle(comm, [ids[0]], keep, lambda: keep, "allreduce_", [prepared.name])
+
+    def _cached_struct(self, src, name, op, prescale, postscale, what, blocking):
+        if self.orphans:
+            self.release_finished_orphans()
+        key = (src.dtype, src.shape, op, prescale, postscale, blocking)
+        try:
+            return self._cache.struct(key, src, name, what)
+        except UsageError as exc:
+            self.refuse([name], lib.RS_KIND_ALLREDUCE, exc, blocking)
+            raise
+
+    def _submit_struct(self, comm, struct, src, out, name, what) -> Handle:
+        send = ffi.from_buffer(src)
+        recv = send if out is src else ffi.from_buffer(out)
+        struct.sendbuf, struct.recvbuf = send, recv
+        c_name, c_names, _ = self._cache.name(name)
         ids = ffi.new("int64_t[1]")
         status = lib.rs_engine_submit(self.ring.engine, c_names, struct, 1, ids)
         if status != lib.RS_OK:
@@ -242,8 +294,8 @@ class Submitter:
         for name in names:
             lib.rs_engine_refuse(self.ring.engine, name.encode(), kind, reason, int(single))
 
-    def submit_tune(self, comm, name: str, values) -> Handle:
-        """A tune request (RS_KIND_TUNE): the settings travel as its shape."""
+    def run_tune(self, comm, name: str, values) -> None:
+        """A tune request (RS_KIND_TUNE), waited for: the settings travel as its shape."""
         struct = ffi.new("rs_request_t *")
         struct.kind, struct.start_now, struct.ndim = lib.RS_KIND_TUNE, 1, len(values)
         struct.shape[0:len(values)] = values
@@ -253,19 +305,7 @@ class Submitter:
                                       struct, 1, ids)
         if status != lib.RS_OK:
             self.raise_engine_error(status, "tune", name)
-        return Handle(comm, [ids[0]], (struct, c_name), lambda: None, "tune", [name])
-
-    @staticmethod
-    def _allreduce_struct(src, name, op, prescale, postscale, what, blocking):
-        """The native request of an allreduce like src's (checked as make_request checks
-        every request); the buffers are filled in at each call."""
-        request = make_request(what, lib.RS_KIND_ALLREDUCE, name, src, src, op=op,
-                               prescale=prescale, postscale=postscale, reduces=True,
-                               blocking=blocking)
-        struct = ffi.new("rs_request_t *")
-        fill_struct(struct, request)
-        struct.sendbuf = struct.recvbuf = ffi.NULL  # (no pointer into the first caller's array)
-        return struct
+        self.synchronize(Handle(comm, [ids[0]], (struct, c_name), lambda: None, "tune", [name]))
 
     def _run_on_lane(self, request: Request, what: str) -> bool:
         """Post a blocking call on the same-host lane (no engine thread, no negotiation):
@@ -279,18 +319,6 @@ class Submitter:
         if status != lib.RS_OK:  # (a usage error here: the ranks' posts disagreed, mostly)
             self.raise_engine_error(status, what, request.name, MismatchError)
         return bool(ran[0])
-
-    def submit_prepared(self, comm, prepared: PreparedAllreduce, address: int, keep) -> Handle:
-        """Submit a prepared in-place allreduce of the memory at `address` (kept alive by
-        `keep`, which synchronize returns)."""
-        if self.orphans:
-            self.release_finished_orphans()
-        s = prepared.struct
-        s.sendbuf = s.recvbuf = ffi.cast("void *", address)
-        status = lib.rs_engine_submit(self.ring.engine, prepared.names, s, 1, prepared.ids)
-        if status != lib.RS_OK:
-            self.raise_engine_error(status, "allreduce_")
-        return Handle(comm, [prepared.ids[0]], keep, lambda: keep, "allreduce_", [prepared.name])
 
     # ---- dropped handles ----
 
@@ -358,15 +386,11 @@ class Submitter:
                 if not detail:
                     detail = ffi.string(lib.rs_engine_last_error(self.ring.engine)).decode()
                 # A usage error found after submission is one the ranks found together.
-                kind = MismatchError if status == lib.RS_ERR_USAGE else \
-                    _STATUS_ERRORS.get(status, CommunicationError)
-                raise kind(
+                raise error_class(status, MismatchError)(
                     f"ringsync.{handle._what}{describe(name)} failed on rank "
                     f"{self.ring.rank}: {detail}")
 
     def raise_engine_error(self, status, what, name=None, usage_kind=UsageError):
         detail = ffi.string(lib.rs_engine_last_error(self.ring.engine)).decode()
-        kind = usage_kind if status == lib.RS_ERR_USAGE else \
-            _STATUS_ERRORS.get(status, CommunicationError)
-        raise kind(
+        raise error_class(status, usage_kind)(
             f"ringsync.{what}{describe(name)} failed on rank {self.ring.rank}: {detail}")

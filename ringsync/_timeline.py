@@ -172,10 +172,12 @@ class _LiveCopy(threading.Thread):
 
 
 class Timeline:
-    """The timeline of ``comm`` (a Communicator); at most one at a time."""
+    """The timeline of ``comm`` (a Communicator, whose collectives gather the parts), kept
+    by ``ring`` (its NativeRing, whose engine writes this rank's part); at most one at a
+    time."""
 
-    def __init__(self, comm):
-        self.comm = comm
+    def __init__(self, comm, ring):
+        self.comm, self.ring = comm, ring
         self.path = None  # what the user asked for
         self.part = None  # where this rank's engine writes
         self.live = None  # rank 0: its events copied into path as they come
@@ -195,7 +197,7 @@ class Timeline:
             dir=os.path.dirname(os.path.abspath(path)))
         os.close(fd)
         try:
-            self.comm._ring.start_timeline(part, mark_cycles)
+            self.ring.start_timeline(part, mark_cycles)
         except BaseException:
             os.unlink(part)
             raise
@@ -222,7 +224,7 @@ class Timeline:
         path, part, live = self.path, self.part, self.live
         self.path = self.part = self.live = None
         if not self.comm.closed:
-            self.comm._ring.stop_timeline()
+            self.ring.stop_timeline()
         if live is not None:
             live.finish()  # (what rank 0's file keeps if the gather below fails)
         try:
@@ -231,7 +233,7 @@ class Timeline:
         except OSError as exc:
             _note(f"rank {self.comm.rank()}: the timeline's events are lost ({exc})")
             return
-        if gather and not self.comm.closed and not self.comm._ring.broken:
+        if gather and not self.comm.closed and not self.comm.broken:
             try:
                 self._gather(path, mine)
                 os.unlink(part)
@@ -247,9 +249,8 @@ class Timeline:
 
     def _gather(self, path: str, mine: bytes) -> None:
         comm = self.comm
-        from .objects import allgather_object
         me = (os.path.abspath(path), comm.host_names[comm.rank()], time.time() - time.monotonic())
-        everyone = allgather_object(me, name="ringsync.timeline.ranks", process_set=comm)
+        everyone = comm.allgather_object(me, name="ringsync.timeline.ranks")
         joins = everyone[0][0] == me[0]
         send = np.frombuffer(mine if joins else b"", np.uint8)
         splits = [send.size] + [0] * (comm.size() - 1)

@@ -1,7 +1,9 @@
 """Autotune: pick the engine's settings by timing training steps with each candidate.
 
-With RINGSYNC_AUTOTUNE=1 (``ringsync run --autotune``, Horovod's HOROVOD_AUTOTUNE), the
-framework adapters call ``Communicator.autotune_step()`` once per training step. The
+With RINGSYNC_AUTOTUNE=1 (``ringsync run --autotune``, Horovod's HOROVOD_AUTOTUNE), or
+after ``start(comm)``, the framework adapters call ``step(comm)`` once per training step:
+the tuner is an object above the Communicator that drives it through its collectives and
+tune requests (nothing below calls back up). The
 tuner discards a few warm-up samples, times one sample (``steps_per_sample`` steps) with
 the settings in force, then tries the candidates of one setting at a time (fusion
 threshold, cycle time, the one-round and the staged allreduce crossovers), keeping a
@@ -27,9 +29,13 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from ._context import JOB
+from .engine_settings import NEVER, Settings
 from .ops import ReduceOp
 
-NEVER = 1 << 60  # a crossover nothing reaches: the native core's size limit (RS_MAX_BYTES)
+__all__ = ["Autotuner", "CANDIDATES", "NEVER", "NOISE", "Settings", "autotuner_for", "search_plan",
+           "start", "step"]
+
 NOISE = 0.03  # a candidate must beat the best by 3 %: a tie keeps the settings in force
 
 # Candidates, in the order the search tries the settings. Overlap: whether gradients are
@@ -42,28 +48,6 @@ CANDIDATES = {
     "small_allreduce_bytes": [4 << 10, 16 << 10, 64 << 10, 256 << 10],
     "staged_bytes": [256 << 10, 1 << 20, 4 << 20, NEVER],
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    fusion_threshold: int
-    cycle_time_ms: float
-    small_allreduce_bytes: int
-    staged_bytes: int
-    overlap: bool = True  # read by the adapters, not the engine (Communicator.overlaps)
-
-    def native(self) -> List[int]:
-        """The values of a tune request, in the order of RS_TUNE_* (ringsync.h)."""
-        return [int(self.fusion_threshold), int(round(self.cycle_time_ms * 1000)),
-                int(self.staged_bytes), int(self.small_allreduce_bytes)]
-
-    @classmethod
-    def from_native(cls, values, overlap: bool) -> "Settings":
-        fusion, cycle_us, staged, small = (int(v) for v in values)
-        return cls(fusion, cycle_us / 1000, small, staged, overlap)
-
-    def but(self, **changes) -> "Settings":
-        return dataclasses.replace(self, **changes)
 
 
 @dataclasses.dataclass
@@ -79,12 +63,44 @@ def search_plan(start: Settings, settings_to_tune) -> List[tuple]:
             if value != getattr(start, name)]
 
 
+def start(comm, warmup_samples: Optional[int] = None, steps_per_sample: Optional[int] = None,
+          max_samples: Optional[int] = None, log_path: Optional[str] = None) -> "Autotuner":
+    """Tune comm from its next step() on, as RINGSYNC_AUTOTUNE=1 does from its first
+    (unset arguments: the RINGSYNC_AUTOTUNE_* settings). Every rank calls it at the same
+    step."""
+    c = comm.config
+    tuner = JOB.autotuners[comm] = Autotuner(
+        comm, c.autotune_warmup_samples if warmup_samples is None else warmup_samples,
+        steps_per_sample or c.autotune_steps_per_sample, max_samples or c.autotune_max_samples,
+        log_path or c.autotune_log)
+    return tuner
+
+
+def autotuner_for(comm) -> Optional["Autotuner"]:
+    """comm's tuner: the one start() made, or, where RINGSYNC_AUTOTUNE=1, one made now;
+    None where nothing tunes comm."""
+    tuner = JOB.autotuners.get(comm)
+    if tuner is None and comm.config.autotune:
+        tuner = start(comm)
+    return tuner
+
+
+def step(comm, overlap_matters: bool = False) -> None:
+    """Called by the framework adapters once per training step (every rank alike): drives
+    comm's tuner where there is one, else does nothing. overlap_matters: the caller reduces
+    during backward where comm's overlap setting says so."""
+    tuner = autotuner_for(comm)
+    if tuner is not None:
+        tuner.step(overlap_matters)
+
+
 class Autotuner:
     """One communicator's tuner; every rank of it must call step() once per step."""
 
     def __init__(self, comm, warmup_samples: int = 3, steps_per_sample: int = 10,
                  max_samples: int = 20, log_path: Optional[str] = None):
         self.comm = comm
+        self.overlap_matters = False  # whether some adapter reduces during backward
         self.warmup_left = max(0, warmup_samples)
         self.steps_per_sample = steps_per_sample
         self.max_samples = max_samples
@@ -104,7 +120,8 @@ class Autotuner:
 
     # ---- driven by the training loop ----
 
-    def step(self) -> None:
+    def step(self, overlap_matters: bool = False) -> None:
+        self.overlap_matters = self.overlap_matters or overlap_matters
         if self.done:
             return
         now = time.perf_counter()
@@ -170,7 +187,7 @@ class Autotuner:
         """The staged crossover matters only where every rank shares this host; overlap,
         only to an adapter that reduces during backward (torch's DistributedOptimizer)."""
         if name == "overlap":
-            return self.comm.overlap_matters
+            return self.overlap_matters
         return name != "staged_bytes" or self.comm.uses_lane
 
     def _apply(self, settings: Settings) -> None:

@@ -6,6 +6,9 @@ CUDA or ROCm code in it (CUDA tensors are staged through host memory).
 """
 from collections import Counter
 
+from ._context import resolve
+from .errors import UsageError
+
 
 def mpi_built() -> bool:
     """Whether MPI can bootstrap the ranks (mpi4py imports)."""
@@ -18,15 +21,12 @@ def mpi_built() -> bool:
 
 def mpi_enabled() -> bool:
     """Whether the job's ring was bootstrapped over MPI."""
-    from . import _comm
-    return _comm().mpi_comm is not None
+    return resolve().mpi_comm is not None
 
 
 def mpi_threads_supported() -> bool:
     """Whether MPI runs with MPI_THREAD_MULTIPLE (several threads may call MPI at once)."""
-    from . import _comm
-    from .errors import UsageError
-    if _comm().mpi_comm is None:
+    if resolve().mpi_comm is None:
         raise UsageError("ringsync.mpi_threads_supported: the job was not bootstrapped over MPI")
     from mpi4py import MPI
     return MPI.Query_thread() == MPI.THREAD_MULTIPLE
@@ -64,8 +64,7 @@ def rocm_built() -> bool:
 
 def is_homogeneous() -> bool:
     """Whether every host runs the same number of ranks."""
-    from . import _comm
-    return len(set(Counter(_comm().host_names).values())) == 1
+    return len(set(Counter(resolve().host_names).values())) == 1
 
 
 __all__ = ["mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled",

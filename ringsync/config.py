@@ -332,6 +332,22 @@ class Config:
     def as_dict(self):
         return asdict(self)
 
+    def choice_problems(self) -> List[str]:
+        """In words, each setting whose text is none of its choices (compared in any case);
+        init() raises them on every rank."""
+        problems = []
+        for f, setting in setting_fields():
+            value = getattr(self, f.name)
+            if setting.choices and str(value).lower() not in setting.choices:
+                problems.append(f"{setting.env}={value!r} is not one of "
+                                f"{', '.join(setting.choices)}")
+        return problems
+
+    def overlap_choice(self) -> Optional[bool]:
+        """RINGSYNC_OVERLAP as a choice: True (on), False (off) or None (auto: the adapter
+        decides by its own rule)."""
+        return {"on": True, "off": False}.get(self.overlap.lower())
+
     def agreed(self):
         """The settings every rank must share (init() fails naming any that differ)."""
         values = {name: getattr(self, name) for name in AGREED_SETTINGS}

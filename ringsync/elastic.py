@@ -27,10 +27,11 @@ import sys
 import time
 from typing import Callable, Iterable, List
 
-import ringsync as _rs
+from . import basics as _rs
 
 from . import bootstrap
 from .config import Config, log_enabled
+from ._context import resolve
 from ._core import Communicator
 from .errors import CommunicationError, HostsUpdatedInterrupt, UsageError
 from .objects import broadcast_object
@@ -115,11 +116,13 @@ class State:
         that went away (or past its slots) leave the job, ranks start on new slots, and
         training goes on from this commit's state (no roll-back). Without discovery:
         nothing to check."""
-        if not hasattr(self, "_discovery"):
-            self._discovery = HostDiscovery.from_config(Config.from_env())
-        if self._discovery is None or not _rs.is_initialized():
+        if not _rs.is_initialized():
             return
-        comm = _rs._comm()
+        comm = resolve()
+        if not hasattr(self, "_discovery"):
+            self._discovery = HostDiscovery.from_config(comm.config)
+        if self._discovery is None:
+            return
         wanted = broadcast_object(self._discovery.poll() if comm.rank() == 0 else None, 0,
                                   name="ringsync.elastic.hosts")
         if wanted is None:
@@ -280,18 +283,19 @@ def run(func):
 
     @functools.wraps(func)
     def wrapper(state: State, *args, **kwargs):
-        recovery = _Recovery(Config.from_env(), _rs._comm())
+        comm = resolve()
+        recovery = _Recovery(comm.config, comm)
         while True:
             try:
                 state.sync()
                 return func(state, *args, **kwargs)
             except HostsUpdatedInterrupt as interrupt:
-                recovery.resize(interrupt.leaving, interrupt.hosts, install=_rs._install)
+                recovery.resize(interrupt.leaving, interrupt.hosts, install=_rs.install)
                 state.on_reset()
             except Exception as error:
                 if not _is_rank_failure(error, recovery.comm):
                     raise
-                recovery.recover(error, state.commit_id, install=_rs._install)
+                recovery.recover(error, state.commit_id, install=_rs.install)
                 state._roll_back(recovery.commit)
                 state.on_reset()
                 recovery.report()

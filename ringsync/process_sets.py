@@ -19,6 +19,7 @@ import dataclasses
 import sys
 from typing import Dict, List, Optional, Sequence, Union
 
+from . import _context
 from ._core import Communicator
 from .errors import CommunicationError, UsageError
 
@@ -70,6 +71,17 @@ class ProcessSet:
         rank = _world().rank() if self._world_rank is None else self._world_rank
         return rank in self.ranks
 
+    def communicator(self) -> Communicator:
+        """The ring this rank runs the set's collectives on, or a clear error (not
+        registered, or this rank is not a member)."""
+        if self.process_set_id is None:
+            raise UsageError(f"ringsync: {self} is not registered (add_process_set, or "
+                             f"init(process_sets=[...])), or was removed")
+        if self._comm is None:
+            raise UsageError(f"ringsync: rank {self._world_rank} is not a member of the "
+                             f"process set given: {self}")
+        return self._comm
+
     def __repr__(self) -> str:
         return (f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, "
                 f"mpi_comm={self.mpi_comm})")
@@ -101,6 +113,9 @@ class _GlobalProcessSet(ProcessSet):
     def included(self) -> bool:
         _world()
         return True
+
+    def communicator(self) -> Communicator:
+        return _world()
 
     @property
     def ranks(self):
@@ -275,23 +290,17 @@ def _described(ranks) -> str:
     return "a set of an MPI communicator" if ranks is None else f"ranks {ranks}"
 
 
-_registry: Optional[Registry] = None
-
-
 def _current_world() -> Optional[Communicator]:
-    from . import _default_or_none
-    return _default_or_none()
+    return _context.default()
 
 
 def _world() -> Communicator:
-    from . import _comm
-    return _comm()
+    return _context.resolve()
 
 
 def start_registry(world: Communicator) -> None:
     """A registry with no sets yet, for the job's new ring (elastic recovery's too)."""
-    global _registry
-    _registry = Registry(world)
+    _context.JOB.registry = Registry(world)
 
 
 def attach(world: Communicator, process_sets=None) -> None:
@@ -308,7 +317,7 @@ def attach(world: Communicator, process_sets=None) -> None:
     _raise_unless_same_sets(posts)
     for i, ps in enumerate(sets):
         try:
-            _registry.add(ps)
+            _context.JOB.registry.add(ps)
         except UsageError as e:
             raise UsageError(f"ringsync.init: process_sets entry number {i}: {e}") from None
 
@@ -373,18 +382,18 @@ def _raise_unless_same_sets(posts) -> None:
 
 def detach(abort: bool = False) -> None:
     """Close every set (ringsync.shutdown, or elastic recovery replacing the job's ring)."""
-    global _registry
-    registry, _registry = _registry, None
+    registry, _context.JOB.registry = _context.JOB.registry, None
     if registry is not None:
         registry.close(abort)
 
 
 def _registry_or_raise(what: str) -> Registry:
     _world()  # NotInitializedError before init
-    if _registry is None or _registry.world is not _current_world():
+    registry = _context.JOB.registry
+    if registry is None or registry.world is not _current_world():
         raise UsageError(f"ringsync.{what}: the job's communicator has no process sets "
                          f"(it was not made by ringsync.init)")
-    return _registry
+    return registry
 
 
 def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet:
@@ -401,16 +410,8 @@ def remove_process_set(process_set: ProcessSet) -> bool:
 
 
 def communicator_of(ps: ProcessSet) -> Communicator:
-    """The ring a collective on ps runs on, or a clear error."""
-    if ps.process_set_id == 0:
-        return _world()
-    if ps.process_set_id is None:
-        raise UsageError(f"ringsync: {ps} is not registered (add_process_set, or "
-                         f"init(process_sets=[...])), or was removed")
-    if ps._comm is None:
-        raise UsageError(f"ringsync: rank {ps._world_rank} is not a member of the process "
-                         f"set given: {ps}")
-    return ps._comm
+    """The ring a collective on ps runs on, or a clear error (ps.communicator())."""
+    return ps.communicator()
 
 
 def by_id(process_set_id: int) -> Optional[ProcessSet]:

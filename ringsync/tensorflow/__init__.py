@@ -13,10 +13,11 @@ ringsync.tensorflow.keras.
 import types as _types
 
 # The names below are the module's API (horovod.tensorflow's), re-exported on purpose.
-from ringsync import (Adasum, Average, Max, Min, Product, ProcessSet, ReduceOp, Sum,
-                      add_process_set, cross_rank, cross_size, global_process_set, init,
-                      is_initialized, local_rank, local_size, rank, remove_process_set,
-                      shutdown, size, start_timeline, stop_timeline)
+from ringsync.basics import (cross_rank, cross_size, init, is_initialized, local_rank,
+                             local_size, rank, shutdown, size, start_timeline, stop_timeline)
+from ringsync.ops import ReduceOp
+from ringsync.process_sets import (ProcessSet, add_process_set, global_process_set,
+                                   remove_process_set)
 from ringsync._adapters import resolve_op as _resolve_op
 from ringsync.build_info import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled,
                                  is_homogeneous, mpi_built, mpi_enabled, mpi_threads_supported,
@@ -29,7 +30,7 @@ from .functions import (allgather_object, broadcast_global_variables, broadcast_
                         broadcast_object_fn, broadcast_variables)
 from .gradients import (DistributedGradientTape, DistributedOptimizer,
                         PartialDistributedGradientTape)
-from .mpi_ops import (allgather, allreduce, alltoall, barrier, broadcast, broadcast_,
+from .mpi_ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allreduce, alltoall, barrier, broadcast, broadcast_,
                       grouped_allgather, grouped_allreduce, grouped_reducescatter, join,
                       local_rank_op, local_size_op, process_set_included_op, rank_op,
                       reducescatter, size_op)

@@ -27,7 +27,8 @@ import zlib
 import numpy as np
 import tensorflow as tf
 
-from ringsync import Sum
+from ringsync import autotune
+from ringsync.ops import ReduceOp
 from ringsync._adapters import check_differentiable, grad_name
 from ringsync.errors import MismatchError, RingsyncError
 
@@ -132,7 +133,7 @@ def _buffers_reducer(process_set, name, layout, op, prescale, postscale, names):
             _check_layout(comm, name, fingerprint, layout)
             reduced = [_reduced(comm, b, op, prescale, postscale, n)
                        for b, n in zip(buffers, names)]
-            comm.autotune_step()  # (RINGSYNC_AUTOTUNE=1 only: a reduction is a step)
+            autotune.step(comm)  # (RINGSYNC_AUTOTUNE=1 only: a reduction is a step)
             return reduced
         except RingsyncError as error:
             raise _tensorflow_error(error) from error
@@ -144,7 +145,7 @@ def _check_layout(comm, name, fingerprint, layout):
     """Every rank learns every rank's fingerprint (each adds its own at its index)."""
     every = np.zeros(comm.size(), np.int64)
     every[comm.rank()] = fingerprint
-    comm.allreduce_(every, op=Sum, name=f"{name}.layout")
+    comm.allreduce_(every, op=ReduceOp.SUM, name=f"{name}.layout")
     if (every == fingerprint).all():
         return
     kinds = {}

@@ -27,8 +27,10 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
-import ringsync as _rs
-from ringsync import Adasum, Average, Sum, ReduceOp
+from ringsync import basics
+from ringsync import process_sets
+from ringsync._context import resolve
+from ringsync.ops import ReduceOp
 from ringsync._adapters import check_differentiable, grad_name, resolve_op
 from ringsync._core import even_split
 from ringsync.errors import CommunicationError, MismatchError, RingsyncError, UsageError
@@ -146,8 +148,12 @@ def in_build_order(make, chain=None):
     return out
 
 
+Sum, Average, Adasum = ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.ADASUM
+Min, Max, Product = ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT
+
+
 def _comm(process_set):
-    return _rs._comm(process_set)
+    return resolve(process_set)
 
 
 def _check_tensors(tensors, what):
@@ -165,9 +171,13 @@ def _check_tensors(tensors, what):
 
 
 def _collective(method, blocking, process_set, *args):
-    """Run one of the Communicator's _async methods to completion."""
+    """Run one of the Communicator's collectives to completion: the blocking entry point
+    (eager calls, which meet other frameworks' on the same-host lane), or the async one
+    waited for (inside a graph, where ops may run in any order)."""
     comm = _comm(process_set)
-    return comm.synchronize(getattr(comm, method)(*args, _blocking=blocking))
+    if blocking:
+        return getattr(comm, method)(*args)
+    return comm.synchronize(getattr(comm, method + "_async")(*args))
 
 
 def _rows_shape(t):
@@ -180,7 +190,7 @@ def _allreduce(tensor, op, prescale, postscale, name, process_set):
     """The dense, differentiable allreduce (no compression)."""
 
     def reduce(t, n):
-        y = _run(lambda a, blocking: _collective("allreduce_async", blocking, process_set, a,
+        y = _run(lambda a, blocking: _collective("allreduce", blocking, process_set, a,
                                                  op, prescale, postscale, n),
                  [t], t.dtype, "allreduce")
         y.set_shape(t.shape)
@@ -242,7 +252,7 @@ def _grouped_allreduce(tensors, op, prescale, postscale, name, process_set):
 
     def reduce(ts, n):
         out = _run(lambda *arrays, blocking: list(_collective(
-                       "grouped_allreduce_async", blocking, process_set, list(arrays), op,
+                       "grouped_allreduce", blocking, process_set, list(arrays), op,
                        prescale, postscale, n)),
                    ts, [t.dtype for t in ts], "grouped_allreduce")
         for y, t in zip(out, ts):
@@ -299,7 +309,7 @@ def _one_or_grouped(single, grouped, process_set, *args):
 
 
 def _gather(ts, name, process_set):
-    out = _run(_one_or_grouped("allgather_async", "grouped_allgather_async", process_set, name),
+    out = _run(_one_or_grouped("allgather", "grouped_allgather", process_set, name),
                ts, [t.dtype for t in ts], "allgather")
     for y, t in zip(out, ts):
         y.set_shape(_rows_shape(t))
@@ -352,7 +362,7 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=PS):
 # ---------------------------------------------------------------------------- broadcast
 
 def _broadcast(t, root_rank, name, process_set):
-    y = _run(lambda a, blocking: _collective("broadcast_async", blocking, process_set, a,
+    y = _run(lambda a, blocking: _collective("broadcast", blocking, process_set, a,
                                              root_rank, name),
              [t], t.dtype, "broadcast")
     y.set_shape(t.shape)
@@ -403,7 +413,7 @@ def assign(variable, value):
 # ---------------------------------------------------------------------------- reducescatter
 
 def _scatter(ts, op, prescale, postscale, name, process_set):
-    out = _run(_one_or_grouped("reducescatter_async", "grouped_reducescatter_async",
+    out = _run(_one_or_grouped("reducescatter", "grouped_reducescatter",
                                process_set, op, prescale, postscale, name),
                ts, [t.dtype for t in ts], "reducescatter")
     for y, t in zip(out, ts):
@@ -464,8 +474,8 @@ def _alltoall(t, splits, name, process_set):
     """(rows received, int32 rows received from each rank); splits: int32 per rank."""
     def exchange(a, sp, blocking):
         if sp.size == 0:  # no even split (_even_splits): the core refuses it on every rank
-            _collective("alltoall_async", blocking, process_set, a, None, name)
-        out, received = _collective("alltoall_async", blocking, process_set, a, sp, name)
+            _collective("alltoall", blocking, process_set, a, None, name)
+        out, received = _collective("alltoall", blocking, process_set, a, sp, name)
         return [out, np.asarray(received, dtype=np.int32)]
 
     y, received = _run(exchange, [t, splits], [t.dtype, tf.int32], "alltoall")
@@ -512,7 +522,7 @@ def join():
     """This rank has run out of data: it takes part in the other ranks' allreduces with
     zeros until every rank has joined. Returns the last rank to join (an int32 tensor;
     in a graph, an op that joins when it runs, as Horovod's)."""
-    return _query_op(_rs.join, "ringsync_join", collective=True)
+    return _query_op(lambda: resolve().join(), "ringsync_join", collective=True)
 
 
 def barrier(process_set=PS):
@@ -540,15 +550,15 @@ def size_op(process_set_id=0, name=None):
 
 
 def local_size_op(name=None):
-    return _query_op(_rs.local_size, name)
+    return _query_op(basics.local_size, name)
 
 
 def rank_op(name=None):
-    return _query_op(_rs.rank, name)
+    return _query_op(basics.rank, name)
 
 
 def local_rank_op(name=None):
-    return _query_op(_rs.local_rank, name)
+    return _query_op(basics.local_rank, name)
 
 
 def process_set_included_op(process_set_id=0, name=None):
@@ -556,7 +566,6 @@ def process_set_included_op(process_set_id=0, name=None):
 
 
 def _set_by_id(process_set_id):
-    from ringsync import process_sets
     found = process_sets.by_id(process_set_id)
     if found is None:
         raise UsageError(f"ringsync.tensorflow: no process set with id {process_set_id}")

@@ -3,7 +3,7 @@ those of the global batch (every rank's samples), as horovod.tensorflow's."""
 import keras
 import tensorflow as tf
 
-from ringsync import Sum
+from ringsync.ops import ReduceOp
 from ringsync.errors import UsageError
 
 from .mpi_ops import PS, _name, allreduce
@@ -35,7 +35,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         count = tf.cast(tf.reduce_prod(tf.gather(tf.shape(x), axes)), x.dtype)
         local = tf.stack([tf.ones_like(self.moving_mean, dtype=x.dtype) * count,
                           tf.reduce_sum(x, axes), tf.reduce_sum(tf.square(x), axes)])
-        total = allreduce(local, op=Sum, name=_name(None, "sync_batch_norm"),
+        total = allreduce(local, op=ReduceOp.SUM, name=_name(None, "sync_batch_norm"),
                           process_set=self.process_set)
         mean = total[1] / total[0]
         variance = tf.maximum(total[2] / total[0] - tf.square(mean), 0.0)

@@ -12,13 +12,14 @@ device-to-host copy on top of the reduction.
 """
 # ruff: noqa: F401
 # The names below are the module's API (horovod.torch's), re-exported on purpose.
-from ringsync import (Adasum, Average, Max, Min, Product, ProcessSet, ReduceOp, Sum, add_process_set,
-                      cross_rank, cross_size, global_process_set, init, is_initialized,
-                      local_rank, local_size, rank, remove_process_set, shutdown, size,
-                      start_timeline, stop_timeline)
+from ringsync.basics import (cross_rank, cross_size, init, is_initialized, local_rank,
+                             local_size, rank, shutdown, size, start_timeline, stop_timeline)
 from ringsync.build_info import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled,
                                  is_homogeneous, mpi_built, mpi_enabled, mpi_threads_supported,
                                  nccl_built, rocm_built)
+from ringsync.ops import ReduceOp
+from ringsync.process_sets import (ProcessSet, add_process_set, global_process_set,
+                                   remove_process_set)
 from ringsync.errors import (CommunicationError, HorovodInternalError, HostsUpdatedInterrupt,
                              MismatchError, RingsyncError, UsageError)
 
@@ -26,7 +27,7 @@ from . import elastic
 from .compression import Compression
 from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                         broadcast_parameters)
-from .mpi_ops import (allgather, allgather_async, allreduce, allreduce_, allreduce_async,
+from .mpi_ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_async, allreduce, allreduce_, allreduce_async,
                       allreduce_async_, alltoall, alltoall_async, barrier, broadcast,
                       broadcast_, broadcast_async, broadcast_async_, grouped_allgather,
                       grouped_allgather_async, grouped_allreduce, grouped_allreduce_,

@@ -20,7 +20,7 @@ from typing import Iterator, List
 
 import torch
 
-import ringsync as _rs
+from ringsync import basics as _rs
 from ringsync.elastic import (HostsUpdatedInterrupt, ObjectState, State,  # noqa: F401
                               run)  # (the module's API)
 

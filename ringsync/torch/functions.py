@@ -4,7 +4,7 @@ from collections.abc import Mapping
 
 import torch
 
-import ringsync as _rs
+from ringsync._context import resolve
 from ringsync.errors import UsageError
 from ringsync.process_sets import global_process_set
 from ringsync.objects import allgather_object, broadcast_object  # noqa: F401 (re-exported)
@@ -49,7 +49,7 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None, process_set=gl
         _zero_gradients(optimizer)
     state = broadcast_object(optimizer.state_dict(), root_rank, name="broadcast.optimizer_state",
                              process_set=process_set)
-    if _rs._comm(process_set).world_rank() != root_rank:
+    if resolve(process_set).world_rank() != root_rank:
         optimizer.load_state_dict(state)
 
 

@@ -3,7 +3,7 @@ synchronous, asynchronous and in place, single and grouped; the synchronous out-
 forms are differentiable as Horovod's are.
 
 The synchronous calls (and the differentiable ones' forward and backward passes, which
-wait too) are blocking calls in the core's sense (_blocking): with every rank on one host
+wait too) are blocking calls in the core's sense (the plain entry points): with every rank on one host
 they take the same-host lane, exactly as the numpy API's and eager TensorFlow's do, so
 that ranks of different frameworks meet there.
 
@@ -13,69 +13,87 @@ ringsync Communicator. root_rank is a rank of the job, as in Horovod, also in a 
 import numpy as np
 import torch
 
-import ringsync as _rs
-from ringsync import Adasum, Average, Handle, Max, Min, Product, ReduceOp, Sum
 from ringsync._adapters import check_differentiable, grad_name, resolve_op
-from ringsync._core import even_split
+from ringsync._context import owner, resolve
+from ringsync._core import Handle, even_split
 from ringsync.errors import RingsyncError, UsageError
+from ringsync.ops import ReduceOp
 from ringsync.process_sets import global_process_set
 
 from ._tensors import host_view, result_like, shares_memory
 from .compression import Compression
 
+Sum, Average, Adasum = ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.ADASUM
+Min, Max, Product = ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT
 PS = global_process_set  # (short, for the signatures below)
 
 
 def _comm(process_set):
-    return _rs._comm(process_set)
+    return resolve(process_set)
+
+
+def _run_or_start(comm, method: str, blocking: bool, args, finish):
+    """The two entry points: blocking, comm.<method>(*args)'s result converted by finish;
+    else the Handle of the method's _async form, whose result finish converts."""
+    if blocking:
+        return finish(getattr(comm, method)(*args))
+    start = method[:-1] + "_async_" if method.endswith("_") else method + "_async"
+    return getattr(comm, start)(*args).then(finish)
 
 
 # ---- in place ----
 
-def _in_place(submit, tensor: torch.Tensor, what: str) -> Handle:
-    """Run `submit` on a host array of tensor; the handle's result is tensor, updated."""
-    arr, host = host_view(tensor, what)
-    handle = submit(arr)
+def _copied_back(tensor: torch.Tensor, host):
+    """A finish for an in-place call on host (tensor's host array): tensor, updated."""
     if shares_memory(host, tensor):
-        return handle.then(lambda _: tensor)
+        return lambda _: tensor
 
     def copy_back(_):
         with torch.no_grad():
             tensor.copy_(host)
         return tensor
 
-    return handle.then(copy_back)
+    return copy_back
+
+
+def _in_place(tensor, what, method, blocking, *args):
+    arr, host = host_view(tensor, what)
+    comm, *rest = args
+    return _run_or_start(comm, method, blocking, (arr, *rest), _copied_back(tensor, host))
+
+
+def _allreduce_in_place(tensor, average, name, op, prescale, postscale, process_set, blocking):
+    op = resolve_op(average, op, "torch.allreduce_async_")
+    return _in_place(tensor, "allreduce_async_", "allreduce_", blocking, _comm(process_set), op,
+                     prescale, postscale, name)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-                     postscale_factor=1.0, process_set=PS, _blocking=False):
-    op = resolve_op(average, op, "torch.allreduce_async_")
-    return _in_place(lambda a: _comm(process_set).allreduce_async_(
-        a, op, prescale_factor, postscale_factor, name, _blocking), tensor, "allreduce_async_")
+                     postscale_factor=1.0, process_set=PS):
+    return _allreduce_in_place(tensor, average, name, op, prescale_factor, postscale_factor,
+                               process_set, False)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                postscale_factor=1.0, process_set=PS):
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
-                                        postscale_factor, process_set, _blocking=True))
+    return _allreduce_in_place(tensor, average, name, op, prescale_factor, postscale_factor,
+                               process_set, True)
 
 
-def broadcast_async_(tensor, root_rank, name=None, process_set=PS, _blocking=False):
-    return _in_place(lambda a: _comm(process_set).broadcast_async_(a, root_rank, name, _blocking),
-                     tensor, "broadcast_async_")
+def broadcast_async_(tensor, root_rank, name=None, process_set=PS):
+    return _in_place(tensor, "broadcast_async_", "broadcast_", False, _comm(process_set),
+                     root_rank, name)
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=PS):
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set, _blocking=True))
+    return _in_place(tensor, "broadcast_async_", "broadcast_", True, _comm(process_set),
+                     root_rank, name)
 
 
-def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                             postscale_factor=1.0, process_set=PS, _blocking=False):
+def _grouped_allreduce_in_place(tensors, average, name, op, prescale, postscale, process_set,
+                                blocking):
     op = resolve_op(average, op, "torch.grouped_allreduce_async_")
     views = [host_view(t, "grouped_allreduce_async_") for t in tensors]
-    handle = _comm(process_set).grouped_allreduce_async(
-        [a for a, _ in views], op, prescale_factor, postscale_factor, name, _in_place=True,
-        _blocking=_blocking)
 
     def copy_back(_):
         with torch.no_grad():
@@ -84,75 +102,117 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
                     t.copy_(host)
         return list(tensors)
 
-    return handle.then(copy_back)
+    return _run_or_start(_comm(process_set), "grouped_allreduce_", blocking,
+                         ([a for a, _ in views], op, prescale, postscale, name), copy_back)
+
+
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                             postscale_factor=1.0, process_set=PS):
+    return _grouped_allreduce_in_place(tensors, average, name, op, prescale_factor,
+                                       postscale_factor, process_set, False)
 
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                        postscale_factor=1.0, process_set=PS):
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
-                                                postscale_factor, process_set, _blocking=True))
+    return _grouped_allreduce_in_place(tensors, average, name, op, prescale_factor,
+                                       postscale_factor, process_set, True)
 
 
-# ---- out of place, asynchronous ----
+# ---- out of place ----
+# Each private function below runs blocking (returns the result) or asynchronously
+# (returns a Handle); the public _async functions are the latter, and the plain
+# collectives further down call the former.
 
-def _out_of_place(submit, tensor, what):
+def _out_of_place(tensor, what, method, blocking, comm, *args):
     arr, _ = host_view(tensor, what)
-    return submit(arr).then(lambda result: result_like(result, tensor))
+    return _run_or_start(comm, method, blocking, (arr, *args),
+                         lambda result: result_like(result, tensor))
 
 
 def _each_like(tensors):
     return lambda results: [result_like(r, t) for r, t in zip(results, tensors)]
 
 
+def _grouped_out_of_place(tensors, what, method, blocking, comm, *args):
+    arrays = [host_view(t, what)[0] for t in tensors]
+    return _run_or_start(comm, method, blocking, (arrays, *args), _each_like(tensors))
+
+
+def _allreduce(tensor, name, op, prescale, postscale, process_set, blocking):
+    return _out_of_place(tensor, "allreduce_async", "allreduce", blocking, _comm(process_set),
+                         op, prescale, postscale, name)
+
+
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-                    postscale_factor=1.0, process_set=PS, _blocking=False):
+                    postscale_factor=1.0, process_set=PS):
     op = resolve_op(average, op, "torch.allreduce_async")
-    return _out_of_place(lambda a: _comm(process_set).allreduce_async(
-        a, op, prescale_factor, postscale_factor, name, _blocking), tensor, "allreduce_async")
+    return _allreduce(tensor, name, op, prescale_factor, postscale_factor, process_set, False)
+
+
+def _grouped_allreduce(tensors, name, op, prescale, postscale, process_set, blocking):
+    return _grouped_out_of_place(tensors, "grouped_allreduce_async", "grouped_allreduce",
+                                 blocking, _comm(process_set), op, prescale, postscale, name)
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                            postscale_factor=1.0, process_set=PS, _blocking=False):
+                            postscale_factor=1.0, process_set=PS):
     op = resolve_op(average, op, "torch.grouped_allreduce_async")
-    arrays = [host_view(t, "grouped_allreduce_async")[0] for t in tensors]
-    handle = _comm(process_set).grouped_allreduce_async(
-        arrays, op, prescale_factor, postscale_factor, name, _blocking=_blocking)
-    return handle.then(_each_like(tensors))
+    return _grouped_allreduce(tensors, name, op, prescale_factor, postscale_factor,
+                              process_set, False)
 
 
-def allgather_async(tensor, name=None, process_set=PS, _blocking=False):
-    return _out_of_place(lambda a: _comm(process_set).allgather_async(a, name, _blocking),
-                         tensor, "allgather_async")
+def _allgather(tensor, name, process_set, blocking):
+    return _out_of_place(tensor, "allgather_async", "allgather", blocking, _comm(process_set),
+                         name)
 
 
-def grouped_allgather_async(tensors, name=None, process_set=PS, _blocking=False):
-    arrays = [host_view(t, "grouped_allgather_async")[0] for t in tensors]
-    handle = _comm(process_set).grouped_allgather_async(arrays, name, _blocking)
-    return handle.then(_each_like(tensors))
+def allgather_async(tensor, name=None, process_set=PS):
+    return _allgather(tensor, name, process_set, False)
 
 
-def broadcast_async(tensor, root_rank, name=None, process_set=PS, _blocking=False):
-    return _out_of_place(lambda a: _comm(process_set).broadcast_async(a, root_rank, name,
-                                                                      _blocking),
-                         tensor, "broadcast_async")
+def _grouped_allgather(tensors, name, process_set, blocking):
+    return _grouped_out_of_place(tensors, "grouped_allgather_async", "grouped_allgather",
+                                 blocking, _comm(process_set), name)
+
+
+def grouped_allgather_async(tensors, name=None, process_set=PS):
+    return _grouped_allgather(tensors, name, process_set, False)
+
+
+def _broadcast(tensor, root_rank, name, process_set, blocking):
+    return _out_of_place(tensor, "broadcast_async", "broadcast", blocking, _comm(process_set),
+                         root_rank, name)
+
+
+def broadcast_async(tensor, root_rank, name=None, process_set=PS):
+    return _broadcast(tensor, root_rank, name, process_set, False)
+
+
+def _reducescatter(tensor, name, op, process_set, prescale, postscale, blocking):
+    return _out_of_place(tensor, "reducescatter_async", "reducescatter", blocking,
+                         _comm(process_set), op, prescale, postscale, name)
 
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=PS, prescale_factor=1.0,
-                        postscale_factor=1.0, _blocking=False):
-    return _out_of_place(lambda a: _comm(process_set).reducescatter_async(
-        a, op, prescale_factor, postscale_factor, name, _blocking), tensor, "reducescatter_async")
+                        postscale_factor=1.0):
+    return _reducescatter(tensor, name, op, process_set, prescale_factor, postscale_factor,
+                          False)
+
+
+def _grouped_reducescatter(tensors, name, op, process_set, prescale, postscale, blocking):
+    return _grouped_out_of_place(tensors, "grouped_reducescatter_async",
+                                 "grouped_reducescatter", blocking, _comm(process_set), op,
+                                 prescale, postscale, name)
 
 
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=PS,
-                                prescale_factor=1.0, postscale_factor=1.0, _blocking=False):
-    arrays = [host_view(t, "grouped_reducescatter_async")[0] for t in tensors]
-    handle = _comm(process_set).grouped_reducescatter_async(
-        arrays, op, prescale_factor, postscale_factor, name, _blocking)
-    return handle.then(_each_like(tensors))
+                                prescale_factor=1.0, postscale_factor=1.0):
+    return _grouped_reducescatter(tensors, name, op, process_set, prescale_factor,
+                                  postscale_factor, False)
 
 
-def alltoall_async(tensor, splits=None, name=None, process_set=PS, _blocking=False):
-    """synchronize returns (output, rows received from each rank), as Horovod's does.
+def _alltoall(tensor, splits, name, process_set, blocking):
+    """(output, rows received from each rank), as Horovod's alltoall_async gives.
     splits=None: the rows split evenly (a first dimension not divisible by the ranks is
     refused on every rank, a ValueError as in Horovod)."""
     comm = _comm(process_set)
@@ -163,9 +223,13 @@ def alltoall_async(tensor, splits=None, name=None, process_set=PS, _blocking=Fal
         # (even splits, so that the counts received come back; any other first dimension
         # goes on without splits, and the core refuses it on every rank, as Horovod does)
         splits = even_split(arr.shape[0], comm.size())
-    handle = comm.alltoall_async(arr, splits, name, _blocking)
-    return handle.then(lambda res: (result_like(res[0], tensor),
-                                    torch.from_numpy(np.asarray(res[1], dtype=np.int32))))
+    return _run_or_start(comm, "alltoall", blocking, (arr, splits, name), lambda res: (
+        result_like(res[0], tensor), torch.from_numpy(np.asarray(res[1], dtype=np.int32))))
+
+
+def alltoall_async(tensor, splits=None, name=None, process_set=PS):
+    """synchronize returns (output, rows received from each rank), as Horovod's does."""
+    return _alltoall(tensor, splits, name, process_set, False)
 
 
 def sparse_allreduce_async(tensor, name, op, process_set=PS):
@@ -196,11 +260,11 @@ def sparse_allreduce_async(tensor, name, op, process_set=PS):
 
 
 def poll(handle: Handle) -> bool:
-    return _rs.poll(handle)
+    return owner(handle).poll(handle)
 
 
 def synchronize(handle: Handle):
-    return _rs.synchronize(handle)
+    return owner(handle).synchronize(handle)
 
 
 def barrier(process_set=PS):
@@ -222,8 +286,7 @@ def send_async(tensor, dst, name=None, process_set=PS) -> Handle:
 def recv_async(tensor, src, name=None, process_set=PS) -> Handle:
     """Start receiving rank src's message into tensor (the sender's dtype and shape);
     synchronize returns tensor."""
-    return _in_place(lambda a: _comm(process_set).recv_async(a, src, name), tensor,
-                     "recv_async")
+    return _in_place(tensor, "recv_async", "recv", False, _comm(process_set), src, name)
 
 
 def send(tensor, dst, name=None, process_set=PS):
@@ -300,8 +363,7 @@ class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, op, prescale, postscale, name, process_set):
         ctx.args = (op, prescale, postscale, name, process_set)
-        return synchronize(allreduce_async(tensor, None, name, op, prescale, postscale,
-                                           process_set, _blocking=True))
+        return _allreduce(tensor, name, op, prescale, postscale, process_set, True)
 
     @staticmethod
     def backward(ctx, grad):
@@ -317,8 +379,8 @@ class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op, prescale, postscale, name, process_set, *tensors):
         ctx.args = (op, prescale, postscale, name, process_set)
-        return tuple(synchronize(grouped_allreduce_async(
-            list(tensors), None, name, op, prescale, postscale, process_set, _blocking=True)))
+        return tuple(_grouped_allreduce(list(tensors), name, op, prescale, postscale,
+                                       process_set, True))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -345,7 +407,7 @@ class _Allgather(torch.autograd.Function):
     def forward(ctx, tensor, name, process_set):
         ctx.rows = tensor.shape[0] if tensor.dim() else 1
         ctx.shape, ctx.name, ctx.process_set = tensor.shape, name, process_set
-        return synchronize(allgather_async(tensor, name, process_set, _blocking=True))
+        return _allgather(tensor, name, process_set, True)
 
     @staticmethod
     def backward(ctx, grad):
@@ -363,8 +425,7 @@ class _GroupedAllgather(torch.autograd.Function):
     def forward(ctx, name, process_set, *tensors):
         ctx.rows = [t.shape[0] if t.dim() else 1 for t in tensors]
         ctx.shapes, ctx.name, ctx.process_set = [t.shape for t in tensors], name, process_set
-        return tuple(synchronize(grouped_allgather_async(list(tensors), name, process_set,
-                                                         _blocking=True)))
+        return tuple(_grouped_allgather(list(tensors), name, process_set, True))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -382,7 +443,7 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, root_rank, name, process_set):
         ctx.root, ctx.name, ctx.process_set = root_rank, name, process_set
-        return synchronize(broadcast_async(tensor, root_rank, name, process_set, _blocking=True))
+        return _broadcast(tensor, root_rank, name, process_set, True)
 
     @staticmethod
     def backward(ctx, grad):
@@ -398,8 +459,7 @@ class _Alltoall(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tensor, splits, name, process_set):
-        out, received = synchronize(alltoall_async(tensor, splits, name, process_set,
-                                                   _blocking=True))
+        out, received = _alltoall(tensor, splits, name, process_set, True)
         ctx.received, ctx.name, ctx.process_set = received, name, process_set
         ctx.mark_non_differentiable(received)
         return out, received
@@ -419,8 +479,7 @@ class _Reducescatter(torch.autograd.Function):
     def forward(ctx, tensor, op, prescale, postscale, name, process_set):
         check_differentiable(op, "torch.reducescatter")
         ctx.args = (op, prescale, postscale, name, process_set)
-        return synchronize(reducescatter_async(tensor, name, op, process_set, prescale,
-                                               postscale, _blocking=True))
+        return _reducescatter(tensor, name, op, process_set, prescale, postscale, True)
 
     @staticmethod
     def backward(ctx, grad):
@@ -437,8 +496,8 @@ class _GroupedReducescatter(torch.autograd.Function):
     def forward(ctx, op, prescale, postscale, name, process_set, *tensors):
         check_differentiable(op, "torch.grouped_reducescatter")
         ctx.args = (op, prescale, postscale, name, process_set)
-        return tuple(synchronize(grouped_reducescatter_async(
-            list(tensors), name, op, process_set, prescale, postscale, _blocking=True)))
+        return tuple(_grouped_reducescatter(list(tensors), name, op, process_set, prescale,
+                                           postscale, True))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -500,8 +559,7 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     if _wants_grad([wire]):
         out = _Allreduce.apply(wire, op, prescale_factor, postscale_factor, name, process_set)
     else:
-        out = synchronize(allreduce_async(wire, None, name, op, prescale_factor,
-                                          postscale_factor, process_set, _blocking=True))
+        out = _allreduce(wire, name, op, prescale_factor, postscale_factor, process_set, True)
     return compression.decompress(out, ctx)
 
 
@@ -517,8 +575,8 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
         outs = _GroupedAllreduce.apply(op, prescale_factor, postscale_factor, name, process_set,
                                        *wires)
     else:
-        outs = synchronize(grouped_allreduce_async(wires, None, name, op, prescale_factor,
-                                                   postscale_factor, process_set, _blocking=True))
+        outs = _grouped_allreduce(wires, name, op, prescale_factor, postscale_factor,
+                                  process_set, True)
     return [compression.decompress(o, c) for o, c in zip(outs, ctxs)]
 
 
@@ -527,7 +585,7 @@ def allgather(tensor, name=None, process_set=PS):
     _checked("allgather", name, process_set, lambda: _check_tensors([tensor], "allgather"))
     if _wants_grad([tensor]):
         return _Allgather.apply(tensor, name, process_set)
-    return synchronize(allgather_async(tensor, name, process_set, _blocking=True))
+    return _allgather(tensor, name, process_set, True)
 
 
 def grouped_allgather(tensors, name=None, process_set=PS):
@@ -537,7 +595,7 @@ def grouped_allgather(tensors, name=None, process_set=PS):
              len(tensors))
     if _wants_grad(tensors):
         return list(_GroupedAllgather.apply(name, process_set, *tensors))
-    return synchronize(grouped_allgather_async(tensors, name, process_set, _blocking=True))
+    return _grouped_allgather(tensors, name, process_set, True)
 
 
 def broadcast(tensor, root_rank, name=None, process_set=PS):
@@ -545,7 +603,7 @@ def broadcast(tensor, root_rank, name=None, process_set=PS):
     _checked("broadcast", name, process_set, lambda: _check_tensors([tensor], "broadcast"))
     if _wants_grad([tensor]):
         return _Broadcast.apply(tensor, root_rank, name, process_set)
-    return synchronize(broadcast_async(tensor, root_rank, name, process_set, _blocking=True))
+    return _broadcast(tensor, root_rank, name, process_set, True)
 
 
 def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=PS,
@@ -557,8 +615,8 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
         out = _Reducescatter.apply(wire, op, prescale_factor, postscale_factor, name,
                                    process_set)
     else:
-        out = synchronize(reducescatter_async(wire, name, op, process_set, prescale_factor,
-                                              postscale_factor, _blocking=True))
+        out = _reducescatter(wire, name, op, process_set, prescale_factor, postscale_factor,
+                             True)
     return compression.decompress(out, ctx)
 
 
@@ -573,9 +631,8 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
         outs = _GroupedReducescatter.apply(op, prescale_factor, postscale_factor, name,
                                            process_set, *wires)
     else:
-        outs = synchronize(grouped_reducescatter_async(wires, name, op, process_set,
-                                                       prescale_factor, postscale_factor,
-                                                       _blocking=True))
+        outs = _grouped_reducescatter(wires, name, op, process_set, prescale_factor,
+                                      postscale_factor, True)
     return [compression.decompress(o, c) for o, c in zip(outs, ctxs)]
 
 
@@ -586,8 +643,7 @@ def alltoall(tensor, splits=None, name=None, process_set=PS):
     if _wants_grad([tensor]):
         out, received = _Alltoall.apply(tensor, splits, name, process_set)
     else:
-        out, received = synchronize(alltoall_async(tensor, splits, name, process_set,
-                                                   _blocking=True))
+        out, received = _alltoall(tensor, splits, name, process_set, True)
     return out if splits is None else (out, received)
 
 

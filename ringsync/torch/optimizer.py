@@ -8,14 +8,15 @@ wrapped optimizer. The class derives from torch.optim.Optimizer only so that LR 
 and isinstance checks accept it; all state lives in the wrapped optimizer.
 """
 import contextlib
+import os
 import warnings
 
 import torch
 
-from ringsync import Average, ReduceOp
+from ringsync import autotune
+from ringsync.ops import ReduceOp
 from ringsync.process_sets import ProcessSet, global_process_set
 from ringsync._adapters import InstanceNumbers, groups_from_num_groups, near_equal_runs
-from ringsync._core import prepare_allreduce_
 from ringsync.errors import UsageError
 
 from . import mpi_ops
@@ -23,12 +24,25 @@ from ._tensors import to_numpy
 from .compression import Compression
 
 _instances = InstanceNumbers()  # names of unnamed optimizers
+
+
+def overlaps(comm) -> bool:
+    """Whether gradients are reduced during backward on comm: as every rank agreed
+    (RINGSYNC_OVERLAP=on/off, or what autotune chose), else torch's rule for auto: yes,
+    unless every rank shares this host (the same-host lane) with fewer than two cores per
+    local rank, where a reduction during backward could only take cores from it. The
+    same on every rank: it looks only at what the ranks of one host share."""
+    agreed = comm.overlaps
+    if agreed is not None:
+        return agreed
+    spare = (os.cpu_count() or 1) / comm.local_size() >= 2
+    return not comm.uses_lane or spare
 _AT_STEP = "reduced at step"  # a pending gradient that synchronize() reduces
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer, named_parameters=None, compression=Compression.none,
-                 backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
+                 backward_passes_per_step=1, op=ReduceOp.AVERAGE, gradient_predivide_factor=1.0,
                  num_groups=0, groups=None, sparse_as_dense=False,
                  process_set=global_process_set):
         """Horovod's arguments. groups: an int N (the parameters in N nearly equal runs)
@@ -188,7 +202,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         dense CPU gradients, where nothing is to be compressed or grouped."""
         return (self._compression is Compression.none and not self._group_of and
                 grad.device.type == "cpu" and grad.is_contiguous() and
-                not mpi_ops._comm(self._process_set).overlaps)
+                not overlaps(mpi_ops._comm(self._process_set)))
 
     def _reduce_at_step(self, params):
         """Every deferred gradient in one allreduce per dtype, in parameter order (the same
@@ -260,7 +274,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if cached is None or cached[0].comm is not comm or cached[1] is not grad.dtype or \
                 cached[2] != grad.shape:
             like = to_numpy(grad.detach(), "DistributedOptimizer")
-            cached = (prepare_allreduce_(comm, self._names[p], like, self._op, **self._scale),
+            cached = (comm.prepare_allreduce_(self._names[p], like, self._op, **self._scale),
                       grad.dtype, grad.shape)
             self._prepared[p] = cached
         return cached[0].start(grad.data_ptr(), grad)
@@ -370,7 +384,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         result = self._optimizer.step(closure) if closure is not None else self._optimizer.step()
         # (RINGSYNC_AUTOTUNE=1 only; this optimizer's reductions follow `overlaps`)
-        mpi_ops._comm(self._process_set).autotune_step(overlap_matters=not self._group_of)
+        autotune.step(mpi_ops._comm(self._process_set), overlap_matters=not self._group_of)
         return result
 
     def zero_grad(self, set_to_none: bool = True):

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ringsync import Sum
+from ringsync.ops import ReduceOp
 from ringsync.process_sets import global_process_set
 
 from . import mpi_ops
@@ -52,7 +52,7 @@ class SyncBatchNorm(_BatchNorm):
         dims = [0] + list(range(2, x.dim()))
         local_count = torch.tensor([x.numel() / self.num_features], dtype=x.dtype)
         stats = torch.cat([x.sum(dims), (x * x).sum(dims), local_count.to(x.device)])
-        total = mpi_ops.allreduce(stats, op=Sum, process_set=self.process_set)
+        total = mpi_ops.allreduce(stats, op=ReduceOp.SUM, process_set=self.process_set)
         c = self.num_features
         count = total[2 * c]
         mean = total[:c] / count

@@ -122,7 +122,7 @@ def collectives_over(transport):
     reference results."""
     rs.init()
     _check_collectives()  # first: where pages cannot be had, this is where SIGBUS would strike
-    assert rs._default.transport == transport, (rs._default.transport, transport)
+    assert rs._comm().transport == transport, (rs._comm().transport, transport)
     rs.shutdown()
 
 
@@ -138,7 +138,7 @@ def forced_shm_fails():
             assert part in text, f"{part!r} not in {text!r}"
         print(f"init failed as expected: {text}", flush=True)
     else:
-        raise AssertionError(f"init() succeeded over {rs._default.transport} without room in /dev/shm")
+        raise AssertionError(f"init() succeeded over {rs._comm().transport} without room in /dev/shm")
     assert not rs.is_initialized()
 
 
@@ -155,7 +155,7 @@ def split_hosts(first_host_ranks):
     assert rs.local_size() == local, (rs.local_size(), local)
     _check_collectives()
     expected = "shm" if local > 1 else "tcp"
-    assert rs._default.transport == expected, (rs._default.transport, expected)
+    assert rs._comm().transport == expected, (rs._comm().transport, expected)
     rs.shutdown()
 
 

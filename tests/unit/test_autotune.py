@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import ringsync as rs
+from ringsync import autotune
 from ringsync.autotune import CANDIDATES, NEVER, Settings, search_plan
 from tests.thread_ranks import PATHS, assert_ranks_ok, run_ranks
 
@@ -63,14 +64,14 @@ def test_tune_applies_the_same_settings_on_every_rank(size, path):
 def _autotuned_training(comm, log_path):
     """A training-like loop under autotune. Ranks' step times differ on purpose (the last
     rank is slower in some samples), yet every rank must make the same choices."""
-    tuner = comm.autotuner
+    tuner = autotune.autotuner_for(comm)
     assert tuner is not None
     steps = 0
     while not tuner.done:
         _async_allreduces(comm, steps % 5, count=12)
         if comm.rank() == comm.size() - 1 and steps % 7 == 0:
             time.sleep(0.002)
-        comm.autotune_step(overlap_matters=True)
+        autotune.step(comm, overlap_matters=True)
         steps += 1
         assert steps < 500, "autotune never finished"
     chosen = comm.engine_settings()

@@ -1,0 +1,180 @@
+"""The job's lifetime, as Horovod's basics: init() builds the default communicator and the
+process-set registry (kept in _context), shutdown() closes them, and the queries
+(rank, size, ...) read them. Elastic recovery hands its rebuilt ring to install().
+
+Importing this module also arranges, under MPI fault tolerance, that mpi4py skips
+MPI_Finalize (see _skip_mpi_finalize_under_fault_tolerance): it must come before the
+first import of mpi4py.MPI, so the package face imports it first.
+"""
+import atexit
+import sys
+import traceback
+
+from . import bootstrap
+from . import process_sets as sets  # (init's argument has the module's name, as Horovod's)
+from ._context import JOB, default, resolve
+from ._core import Communicator
+from .errors import CommunicationError, UsageError
+
+
+def _skip_mpi_finalize_under_fault_tolerance():
+    """Open MPI 5's MPI_Finalize can wait forever once a rank of the job has died, even
+    after Revoke and Shrink (seen here in about 1 run of 6 with plain mpi4py). Under
+    fault tolerance a process may end without it: mpirun then reports each process's
+    own exit status. mpi4py reads this option when mpi4py.MPI is first imported, so
+    it only takes effect when ringsync is imported first. A replacement rank started by
+    Spawn is a job of its own, which must finalize: it does (its job lost nobody)."""
+    if (bootstrap.fault_tolerant() and "mpi4py.MPI" not in sys.modules
+            and not bootstrap.spawned_by_mpi()):
+        try:
+            import mpi4py
+        except ImportError:
+            return
+        mpi4py.rc.finalize = False
+
+
+_skip_mpi_finalize_under_fault_tolerance()
+
+
+def init(comm=None, process_sets=None):
+    """Build the ring over `comm` (an mpi4py intracommunicator; MPI.COMM_WORLD by default)
+    and the process sets given (a list of ProcessSet, each a ring of its own; "dynamic" is
+    accepted: sets can always be added later). In a replacement rank started by elastic
+    recovery (--respawn), the default is the communicator shared with the survivors.
+
+    As Horovod's: MPI is initialised here if mpi4py was told not to do it
+    (mpi4py.rc.initialize = False); an init that fails (bad process sets) leaves ringsync
+    not initialised, on every rank; called again while initialised it builds nothing,
+    but the process sets given are checked and attached to the registered sets of the
+    same ranks."""
+    if default() is not None:
+        sets.attach_registered(process_sets)
+        return
+    own = False
+    if comm is None:
+        bootstrap.ensure_mpi_initialized()
+        comm = bootstrap.replacement_world()
+        own = comm is not None
+    elif isinstance(comm, (list, tuple, range)):
+        raise UsageError("ringsync.init: comm as a list of ranks is not supported; pass an "
+                         "mpi4py communicator, or use a ProcessSet for a subset of ranks")
+    bootstrap.record_start()
+    start(comm, own)
+    try:
+        sets.attach(JOB.default, process_sets)
+    except BaseException:
+        shutdown()  # (every rank got the same refusal: the sets were agreed on)
+        raise
+
+
+def start(comm, own_comm: bool, survivor: bool = False) -> Communicator:
+    """Make the default Communicator. A replacement rank (own_comm) that cannot build it
+    dies as a failed rank, so that the others recover again rather than wait for it; a
+    survivor of a failure (elastic recovery) gets the error and recovers again."""
+    JOB.default = None
+    try:
+        JOB.default = Communicator(comm, own_comm=own_comm)
+    except Exception as e:
+        if not own_comm or survivor:
+            raise
+        traceback.print_exc()
+        bootstrap.exit_as_failed(cause=f"{type(e).__name__}: {e}")
+    _limit_mpi_waits(JOB.default)
+    if JOB.default.size() > 1:
+        _install_die_hard_excepthook()
+    atexit.unregister(shutdown)  # once, however often the ring is rebuilt
+    atexit.register(shutdown)
+    return JOB.default
+
+
+def _limit_mpi_waits(comm: Communicator) -> None:
+    """From now on no exchange over the job's MPI communicator waits longer than the
+    start timeout for a rank that left the call, or never came to it."""
+    comm.rendezvous.limit_exchanges(comm.config.start_timeout_seconds)
+
+
+def shutdown():
+    if JOB.default is not None:
+        sets.detach()
+        JOB.default.shutdown()
+        JOB.default = None
+        bootstrap.record_job_event("finished")
+
+
+def is_initialized() -> bool:
+    return default() is not None
+
+
+def install(comm: Communicator):
+    """Make comm the default communicator (elastic recovery hands its new ring here). The
+    old ring's process sets lost ranks with it: they are closed; the job adds them again."""
+    sets.detach(abort=True)
+    JOB.default = comm
+    _limit_mpi_waits(comm)
+    sets.start_registry(comm)
+
+
+def _install_die_hard_excepthook():
+    """An uncaught exception must end this rank at once: left to the interpreter, it would
+    sit in MPI_Finalize while the peers wait for it forever. mpirun sees the non-zero exit
+    and ends the job (under MPI fault tolerance the rank is killed instead, so that
+    elastic survivors recover without it, unless no other rank is left: see
+    bootstrap.exit_as_failed); peers see the broken connection."""
+    previous = sys.excepthook
+    if getattr(previous, "_ringsync_die_hard", False):
+        return
+
+    def die_hard(exc_type, exc, tb):
+        comms = []
+        try:
+            comm = JOB.default
+            rank = comm.rank() if comm is not None else "?"
+            comms = [comm.mpi_comm] if comm is not None else []
+            sys.stderr.write(f"ringsync: uncaught exception on rank {rank}; exiting this rank\n")
+            traceback.print_exception(exc_type, exc, tb)
+        finally:
+            # Waiting to hear that the others are gone pays only where a peer's loss is
+            # what failed this rank; a rank's own bug ends it at once.
+            wait = None if issubclass(exc_type, CommunicationError) else 0.0
+            bootstrap.exit_as_failed(cause=f"{exc_type.__name__}: {exc}", comms=comms,
+                                     wait=wait)
+
+    die_hard._ringsync_die_hard = True
+    sys.excepthook = die_hard
+
+
+def rank() -> int:
+    return resolve().rank()
+
+
+def size() -> int:
+    return resolve().size()
+
+
+def local_rank() -> int:
+    return resolve().local_rank()
+
+
+def local_size() -> int:
+    return resolve().local_size()
+
+
+def cross_rank() -> int:
+    return resolve().cross_rank()
+
+
+def cross_size() -> int:
+    return resolve().cross_size()
+
+
+def start_timeline(file_path, mark_cycles=False):
+    """Record a Chrome-trace JSON timeline of every rank's tensors (open it in Perfetto),
+    written as one file to rank 0's file_path at stop_timeline() or shutdown(). Call it on
+    every rank, as stop_timeline(). mark_cycles: mark the start of each negotiation round
+    (instant events named CYCLE_START)."""
+    resolve().start_timeline(file_path, mark_cycles)
+
+
+def stop_timeline():
+    """Collective: every rank calls it; rank 0 writes the timeline file."""
+    resolve().stop_timeline()
