@@ -10,11 +10,23 @@ from cffi import FFI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 INCLUDE = os.path.join(HERE, "include")
-# Bottom to top: each file calls only files listed before it (tests/unit/test_native_layers.py).
+# Bottom to top: each file calls only files listed before it, and includes only their
+# headers (or headers that belong to no file); tests/unit/test_native_layers.py checks both.
+#   util, reduce, status, checked, auth   the bottom: strings and maps, kernels, error
+#                                         records, checked sizes, the handshake's hashes
+#   progress                              transfers through the transport table
+#   tcp_setup, transport_tcp, transport_shm
+#                                         the transports (only comm.c names them)
+#   topology, comm                        where the ranks sit; the communicator's life
+#   adasum, ring, gather_log, hierarchical, algorithms
+#                                         the collective algorithms
+#   timeline, negotiate, lane, execute    what the engine thread uses (and the lane, on
+#                                         calling threads)
+#   engine, submit                        the engine thread; the calling threads' side
 SOURCES = ["util.c", "reduce.c", "status.c", "checked.c", "auth.c", "progress.c",
-           "transport_tcp.c", "transport_shm.c", "topology.c", "comm.c", "adasum.c", "ring.c",
-           "gather_log.c", "hierarchical.c", "algorithms.c", "timeline.c",
-           "negotiate.c", "direct.c", "execute.c", "engine.c", "lane.c"]
+           "tcp_setup.c", "transport_tcp.c", "transport_shm.c", "topology.c", "comm.c",
+           "adasum.c", "ring.c", "gather_log.c", "hierarchical.c", "algorithms.c",
+           "timeline.c", "negotiate.c", "lane.c", "execute.c", "engine.c", "submit.c"]
 
 
 def public_declarations():

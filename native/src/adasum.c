@@ -19,7 +19,9 @@
  * at the end (Horovod refuses such rank counts). */
 #include <string.h>
 
-#include "internal.h"
+#include "adasum.h"
+#include "progress.h"
+#include "reduce.h"
 #include "util.h"
 
 /* A run of elements of the tensor: where one rank's share starts, and its length. */
@@ -41,6 +43,23 @@ typedef struct {
 enum { MAX_LEVELS = 31 }; /* log2 of the largest power of two an int rank count holds */
 
 static char *at(const adasum_t *s, size_t element) { return s->buf + element * s->elem; }
+
+/* reduce.c's arithmetic refuses a dtype it does not take; rs_adasum_allreduce checks the
+ * dtype first, so this is a guard, worded on the communicator (the kernels know none). */
+static rs_status_t refused(const adasum_t *s) {
+    return rs_fail(s->comm, RS_ERR_USAGE, "rank %d: Adasum cannot reduce %s elements",
+                   s->comm->rank, rs_dtype_name(s->dtype));
+}
+
+static rs_status_t dots(const adasum_t *s, const void *a, const void *b, size_t count,
+                        double sums[3]) {
+    return rs_adasum_dots(a, b, count, s->dtype, sums) == RS_OK ? RS_OK : refused(s);
+}
+
+static rs_status_t combine(const adasum_t *s, void *out, const void *a, const void *b,
+                           size_t count, const double sums[3]) {
+    return rs_adasum_combine(out, a, b, count, s->dtype, sums) == RS_OK ? RS_OK : refused(s);
+}
 
 /* Send out_bytes from `out` to peer while receiving in_bytes from it into `in`. */
 static rs_status_t swap_with(rs_comm_t *comm, int peer, const void *out, size_t out_bytes,
@@ -78,9 +97,9 @@ static rs_status_t halve(adasum_t *s, int level, slice_t *mine) {
                        keep.len * s->elem));
     const void *a = left ? kept : s->incoming, *b = left ? s->incoming : kept;
     double sums[3];
-    RS_CHECK(rs_adasum_dots(a, b, keep.len, s->dtype, sums));
+    RS_CHECK(dots(s, a, b, keep.len, sums));
     RS_CHECK(group_sum(s->comm, level, sums));
-    RS_CHECK(rs_adasum_combine(kept, a, b, keep.len, s->dtype, sums));
+    RS_CHECK(combine(s, kept, a, b, keep.len, sums));
     *mine = keep;
     return RS_OK;
 }
@@ -111,8 +130,8 @@ static rs_status_t fold_in(adasum_t *s, int from, size_t count) {
     rs_xfer_t x = rs_recv_from(from, s->incoming, count * s->elem);
     RS_CHECK(rs_progress(s->comm, &x, 1));
     double sums[3];
-    RS_CHECK(rs_adasum_dots(s->buf, s->incoming, count, s->dtype, sums));
-    return rs_adasum_combine(s->buf, s->buf, s->incoming, count, s->dtype, sums);
+    RS_CHECK(dots(s, s->buf, s->incoming, count, sums));
+    return combine(s, s->buf, s->buf, s->incoming, count, sums);
 }
 
 static rs_status_t send_whole(adasum_t *s, int to, size_t count) {

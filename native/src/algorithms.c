@@ -3,8 +3,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "adasum.h"
+#include "algorithms.h"
 #include "checked.h"
-#include "internal.h"
+#include "gather_log.h"
+#include "hierarchical.h"
+#include "reduce.h"
+#include "ring.h"
 #include "util.h"
 
 static int mod(int a, int n) { return ((a % n) + n) % n; }
@@ -44,15 +49,31 @@ static rs_status_t check_reduction_args(rs_comm_t *comm, rs_dtype_t dtype, rs_op
     return RS_OK;
 }
 
+/* The kernels have no communicator, so no record: their failures are worded here (a
+ * dtype they cannot scale; the collectives check dtypes first, so this is a guard). */
+static rs_status_t cannot_scale(rs_comm_t *comm, rs_dtype_t dtype, const char *how) {
+    return rs_fail(comm, RS_ERR_USAGE, "rank %d: cannot %s %s elements", comm->rank, how,
+                   rs_dtype_name(dtype));
+}
+
+rs_status_t rs_scale(rs_comm_t *comm, void *buf, size_t count, rs_dtype_t dtype,
+                     double factor) {
+    if (rs_scale_local(buf, count, dtype, factor) != RS_OK)
+        return cannot_scale(comm, dtype, "scale");
+    return RS_OK;
+}
+
 /* Post-scaling: Average divides by the rank count, then the user's factor applies. */
 rs_status_t rs_finish_scale(rs_comm_t *comm, void *buf, size_t count, rs_dtype_t dtype,
                             rs_op_t op, double postscale) {
     double factor = postscale;
-    if (op == RS_OP_AVERAGE && rs_dtype_is_integer(dtype))
-        RS_CHECK(rs_divide_local(buf, count, dtype, comm->size));
-    else if (op == RS_OP_AVERAGE)
+    if (op == RS_OP_AVERAGE && rs_dtype_is_integer(dtype)) {
+        if (rs_divide_local(buf, count, dtype, comm->size) != RS_OK)
+            return cannot_scale(comm, dtype, "average");
+    } else if (op == RS_OP_AVERAGE) {
         factor /= comm->size;
-    return factor == 1.0 ? RS_OK : rs_scale_local(buf, count, dtype, factor);
+    }
+    return factor == 1.0 ? RS_OK : rs_scale(comm, buf, count, dtype, factor);
 }
 
 /* ---- allreduce algorithms (the rings are in ring.c, hierarchical.c) ---- */
@@ -118,7 +139,7 @@ rs_status_t rs_allreduce(rs_comm_t *comm, const void *sendbuf, void *recvbuf, si
     if (count && sendbuf != recvbuf)
         memcpy(recvbuf, sendbuf, count * elem);
     if (prescale != 1.0)
-        RS_CHECK(rs_scale_local(recvbuf, count, dtype, prescale));
+        RS_CHECK(rs_scale(comm, recvbuf, count, dtype, prescale));
     if (op == RS_OP_ADASUM)
         RS_CHECK(rs_adasum_allreduce(comm, recvbuf, count, dtype));
     else if (comm->size > 1 && count > 0)
@@ -132,7 +153,7 @@ static rs_status_t reduce_scatter_copy(rs_comm_t *comm, const void *sendbuf, cha
                                        rs_dtype_t dtype, rs_op_t op, double prescale) {
     memcpy(work, sendbuf, total);
     if (prescale != 1.0)
-        RS_CHECK(rs_scale_local(work, total / elem, dtype, prescale));
+        RS_CHECK(rs_scale(comm, work, total / elem, dtype, prescale));
     rs_group_t all = rs_group_all(comm);
     return rs_ring_reduce_scatter(comm, &all, work, b, elem, rs_reduce_kernel(dtype, op));
 }
@@ -159,7 +180,7 @@ rs_status_t rs_reducescatter(rs_comm_t *comm, const void *sendbuf, void *recvbuf
     if (my_bytes && recvbuf != mine)
         memmove(recvbuf, mine, my_bytes);
     if (!work && prescale != 1.0)
-        RS_CHECK_GOTO(rs_scale_local(recvbuf, my_bytes / elem, dtype, prescale), st, out);
+        RS_CHECK_GOTO(rs_scale(comm, recvbuf, my_bytes / elem, dtype, prescale), st, out);
     st = rs_finish_scale(comm, recvbuf, my_bytes / elem, dtype, op, postscale);
 out:
     free(work);

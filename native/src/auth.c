@@ -1,6 +1,7 @@
 /* SHA-256 and HMAC-SHA256 for the connection handshake (see auth.h). */
 #define _GNU_SOURCE
 #include "auth.h"
+#include "util.h" /* RS_RETRY_EINTR: a macro, so auth.c still builds on its own */
 
 #include <errno.h>
 #include <fcntl.h>
@@ -147,9 +148,8 @@ static int urandom_bytes(unsigned char *p, size_t len) {
     if (fd < 0)
         return -1;
     while (len > 0) {
-        ssize_t r = read(fd, p, len);
-        if (r < 0 && errno == EINTR)
-            continue;
+        ssize_t r;
+        RS_RETRY_EINTR(r, read(fd, p, len));
         if (r <= 0) {
             close(fd);
             return -1;
@@ -164,9 +164,8 @@ static int urandom_bytes(unsigned char *p, size_t len) {
 int rs_random_bytes(void *buf, size_t len) {
     unsigned char *p = buf;
     while (len > 0) {
-        ssize_t r = getrandom(p, len, 0);
-        if (r < 0 && errno == EINTR)
-            continue;
+        ssize_t r;
+        RS_RETRY_EINTR(r, getrandom(p, len, 0));
         if (r < 0)
             return errno == ENOSYS ? urandom_bytes(p, len) : -1;
         p += r;

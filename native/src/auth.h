@@ -1,6 +1,6 @@
 /* SHA-256 and HMAC-SHA256 (FIPS 180-4, RFC 2104), for the connection handshake: small
- * enough to read in one sitting, so the core needs no crypto library. No internal.h here:
- * the unit test compiles this file on its own. */
+ * enough to read in one sitting, so the core needs no crypto library. auth.c calls nothing
+ * of the core (util.h lends it a macro only): the unit test compiles it on its own. */
 #ifndef RINGSYNC_AUTH_H
 #define RINGSYNC_AUTH_H
 

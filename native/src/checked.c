@@ -2,7 +2,7 @@
 #include <math.h>
 
 #include "checked.h"
-#include "internal.h"
+#include "reduce.h"
 #include "util.h"
 
 int rs_mul_checked(int64_t a, int64_t b, int64_t *out) {

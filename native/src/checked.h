@@ -11,6 +11,7 @@
 /* The largest tensor or total the core handles: every byte count fits int64_t, so sums of
  * a few of them and signed offsets cannot overflow either. */
 #define RS_MAX_BYTES ((int64_t)1 << 60)
+#define RS_MAX_NAME_LEN 4000 /* longest tensor name (bytes, without the NUL) */
 
 /* *out = a * b or a + b; 0 on success, -1 when the result would exceed RS_MAX_BYTES or
  * an operand is negative. */

@@ -4,8 +4,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
+#include "comm.h"
+#include "topology.h"
+#include "transport_shm.h"
+#include "transport_tcp.h"
 
+/* Until a communicator exists there is no record to word a failure in: bad arguments and
+ * no memory for the communicator itself return their codes alone (the caller, which
+ * passed the arguments, words them). From the listen on, failures are recorded. */
 rs_status_t rs_comm_create(int rank, int size, const char *bind_host, double timeout_seconds,
                            double setup_seconds, rs_comm_t **out_comm, int *out_port) {
     if (size < 1 || rank < 0 || rank >= size || !out_comm || !out_port ||
@@ -106,7 +112,7 @@ rs_status_t rs_comm_set_hierarchical(rs_comm_t *comm, int mode, size_t min_bytes
 
 rs_status_t rs_comm_traffic(const rs_comm_t *comm, int64_t *tcp_bytes, int64_t *shm_bytes) {
     if (!tcp_bytes || !shm_bytes)
-        return RS_ERR_USAGE;
+        return RS_ERR_USAGE; /* (a read-only look at comm: no record to write) */
     for (int p = 0; p < comm->size; p++) {
         tcp_bytes[p] = __atomic_load_n(&comm->traffic[RS_VIA_TCP * comm->size + p],
                                        __ATOMIC_RELAXED);

@@ -1,8 +1,9 @@
-/* The engine: a background thread per communicator. Callers submit requests and get
- * handles at once; the thread negotiates with the other ranks, runs what is ready (fused)
- * and completes the handles. It never sleeps a fixed cycle: while idle it blocks in poll
- * on its left neighbour (a peer starting a negotiation round) and on a self-pipe
- * (a local submission). */
+/* The engine thread: a background thread per communicator. Callers submit requests and
+ * get handles at once (submit.c); this thread negotiates with the other ranks, runs what
+ * is ready (fused) and completes the handles. It never sleeps a fixed cycle: while idle it
+ * blocks in poll on its neighbours (a peer starting a negotiation round) and on a
+ * self-pipe (a local submission). Also here: failing the engine, and its lifecycle
+ * (create, abort, destroy, the timeline's start and stop). */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
@@ -13,107 +14,12 @@
 #include <unistd.h>
 
 #include "engine.h"
+#include "progress.h" /* rs_fail_lost_peer */
+#include "transport.h"
 
 #define FUSION_IDLE_GAP_SECONDS 100e-6 /* stop gathering once submissions pause this long */
-#define SHUTDOWN_NAME "ringsync.shutdown"
-/* Sends and recvs one rank may have in flight: every rank's negotiator holds an entry for
- * each until it is matched, so a rank that posts without end is refused, not followed. */
-#define P2P_MAX_IN_FLIGHT 4096
 
-struct rs_engine {
-    rs_comm_t *comm;
-    rs_engine_config_t config;
-    pthread_t thread;
-    int thread_started;
-    int wake[2]; /* self-pipe: submissions and stop requests wake the thread */
-
-    pthread_mutex_t mu; /* guards everything down to `error` */
-    pthread_cond_t done_cv;
-    rs_work_t *queue_head, *queue_tail;
-    rs_work_t **slots;
-    uint32_t *generations;
-    int nslots;
-    rs_map_t in_flight; /* names of this rank's unfinished requests */
-    int stopping;
-    int sleeping; /* the thread blocks on the self-pipe: a submission must write to it */
-    /* The thread gathers a burst (gather_more): it looks at the queue every idle gap by
-     * itself, so only a request someone waits for (start_now) must wake it. Waking it
-     * for every arrival cost a pipe write and a thread switch per tensor. */
-    int gathering;
-    /* Once set, every pending and later request fails with it. Written once, by the
-     * thread that fails the engine; its code is also read atomically, without mu, by a
-     * caller waiting on the same-host lane. */
-    rs_error_t failure;
-    /* Why a calling thread's last call failed (rs_engine_last_error): written by calling
-     * threads only, never by the engine thread. */
-    rs_error_t error;
-    /* Joins completed on this rank: written by the engine thread (under mu, before the
-     * join's handle is done), read atomically by lane callers, which tag their posts with
-     * it (see rs_direct_serve_joined). */
-    uint32_t joins;
-    /* Point-to-point: unnamed sends accepted to each rank, unnamed recvs accepted from
-     * each (size entries each, under mu): the k-th of each pair gets the same name. */
-    int64_t *p2p_sent, *p2p_received;
-    int p2p_in_flight; /* this rank's sends and recvs not yet done (under mu) */
-    /* Blocking calls of one tensor submitted (under mu): the k-th gets blocking_seq k, and
-     * negotiation matches the k-th of every rank (see rs_request_t.blocking). */
-    uint64_t blocking_calls;
-    /* Peers that shut down while this rank still runs (see close_collectives; under mu):
-     * shut_down[r], and once any did, collectives fail with these words. */
-    unsigned char *shut_down;
-    int collectives_closed;
-    char closed_text[RS_ERROR_LEN];
-    /* What stops a caller waiting on the same-host lane (read atomically): the failure's
-     * code, or RS_ERR_COMM once collectives are closed. */
-    rs_status_t lane_stop;
-
-    /* the engine thread's own */
-    rs_negotiator_t negotiator;
-    rs_executor_t executor;
-    rs_timeline_t timeline;
-
-    rs_direct_t *direct; /* the same-host lane for blocking allreduces, or NULL */
-};
-
-void rs_free(void *p) { free(p); }
-
-/* ---- handles ---- */
-
-static int64_t handle_of(rs_engine_t *e, int slot) {
-    return ((int64_t)e->generations[slot] << 32) | slot;
-}
-
-/* Under mu. NULL for a handle that is unknown or already released. */
-static rs_work_t *work_of(rs_engine_t *e, int64_t handle) {
-    int slot = (int)(handle & 0xffffffff);
-    if (handle < 0 || slot >= e->nslots || !e->slots[slot] || handle_of(e, slot) != handle)
-        return NULL;
-    return e->slots[slot];
-}
-
-static int take_slot(rs_engine_t *e) {
-    for (int i = 0; i < e->nslots; i++)
-        if (!e->slots[i])
-            return i;
-    int grown = e->nslots ? e->nslots * 2 : 64;
-    rs_work_t **slots = realloc(e->slots, (size_t)grown * sizeof *slots);
-    if (slots)
-        e->slots = slots;
-    uint32_t *gens = realloc(e->generations, (size_t)grown * sizeof *gens);
-    if (gens)
-        e->generations = gens;
-    if (!slots || !gens)
-        return -1;
-    for (int i = e->nslots; i < grown; i++) {
-        e->slots[i] = NULL;
-        e->generations[i] = 1;
-    }
-    int first = e->nslots;
-    e->nslots = grown;
-    return first;
-}
-
-static void free_work(rs_work_t *w) {
+void rs_work_free(rs_work_t *w) {
     free(w->name);
     free(w->splits);
     free(w->error);
@@ -136,7 +42,7 @@ static void finish_locked(rs_engine_t *e, rs_work_t *w) {
 static void drop_refusal_locked(rs_engine_t *e, rs_work_t *w) {
     if (rs_map_get(&e->in_flight, w->name) == w)
         rs_map_remove(&e->in_flight, w->name);
-    free_work(w);
+    rs_work_free(w);
 }
 
 static void fail_locked(rs_engine_t *e, rs_work_t *w) {
@@ -160,8 +66,6 @@ static void set_failure_locked(rs_engine_t *e, rs_status_t st, const char *text)
     __atomic_store_n(&e->lane_stop, st, __ATOMIC_RELEASE);
 }
 
-static void wake_thread(rs_engine_t *e);
-
 /* A broken communicator fails everything: queued, pending (see drop_negotiation) and later
  * submissions. Aborting the communicator tells the peers, so they fail too instead of
  * waiting. Any thread may call it: it touches only what mu guards, and wakes the engine
@@ -179,7 +83,7 @@ void rs_engine_fail(rs_engine_t *e, rs_status_t st, const char *text) {
     pthread_cond_broadcast(&e->done_cv);
     pthread_mutex_unlock(&e->mu);
     rs_comm_abort(e->comm);
-    wake_thread(e);
+    rs_engine_wake(e);
 }
 
 /* The engine thread, once failed: fail this rank's requests that negotiation still holds
@@ -192,7 +96,7 @@ static void drop_negotiation(rs_engine_t *e) {
     for (size_t i = 0; i < n->pending.capacity; i++) {
         rs_pending_t *p = n->pending.keys[i] ? n->pending.values[i] : NULL;
         if (p && p->mine && p->mine->synthetic)
-            free_work(p->mine); /* the engine's own (a joined rank's zeros): no handle */
+            rs_work_free(p->mine); /* the engine's own (a joined rank's zeros): no handle */
         else if (p && p->mine && !p->mine->done)
             fail_locked(e, p->mine);
         if (p)
@@ -229,7 +133,7 @@ static void drain_wake_pipe(rs_engine_t *e) {
     }
 }
 
-static void wake_thread(rs_engine_t *e) {
+void rs_engine_wake(rs_engine_t *e) {
     char c = 1;
     if (write(e->wake[1], &c, 1) < 0 && errno != EAGAIN) {
         /* a full pipe already wakes the thread */
@@ -252,13 +156,6 @@ static int take_queue_locked(rs_engine_t *e, rs_work_t ***batch, int *n, int *ca
     }
     if (!e->queue_head)
         e->queue_tail = NULL;
-    return 0;
-}
-
-static int any_request_starts_now(const rs_request_t *requests, int n) {
-    for (int i = 0; i < n; i++)
-        if (requests[i].start_now)
-            return 1;
     return 0;
 }
 
@@ -333,7 +230,7 @@ static void complete_ready(rs_engine_t *e, rs_pending_t **ready, int nready, rs_
         if (!w)
             continue; /* a round that failed before it got here: rs_engine_fail ends all */
         if (w->synthetic) {
-            free_work(w);
+            rs_work_free(w);
             continue;
         }
         if (w->refusal) {
@@ -344,7 +241,7 @@ static void complete_ready(rs_engine_t *e, rs_pending_t **ready, int nready, rs_
             w->result_rows = ready[i]->last_rank;
             __atomic_add_fetch(&e->joins, 1, __ATOMIC_RELEASE);
         }
-        if (w->status == (rs_status_t)-1) { /* not run: a failure stopped the round */
+        if (w->status == RS_PENDING) { /* not run: a failure stopped the round */
             w->status = st;
             w->error = strdup(why.text);
         }
@@ -364,7 +261,7 @@ static rs_status_t take_part(rs_engine_t *e, rs_pending_t **ready, int nready) {
         if (!w)
             return rs_fail(e->comm, RS_ERR_COMM, "rank %d: out of memory", e->comm->rank);
         ready[i]->mine = w;
-        w->status = (rs_status_t)-1;
+        w->status = RS_PENDING;
         if (e->timeline.file && !w->synthetic && !w->refusal)
             rs_timeline_span(&e->timeline, w->meta.kind, ready[i]->name, RS_SPAN_NEGOTIATE,
                              w->submitted_at, now);
@@ -504,7 +401,7 @@ static void fail_what_needs_shut_down_locked(rs_engine_t *e) {
         if (!w)
             continue;
         if (w->synthetic) {
-            free_work(w);
+            rs_work_free(w);
         } else if (w->refusal) {
             drop_refusal_locked(e, w);
         } else {
@@ -582,7 +479,7 @@ static void *engine_main(void *arg) {
     return NULL;
 }
 
-/* ---- public API ---- */
+/* ---- lifecycle ---- */
 
 /* The configured settings, as rs_engine_settings reports them (before the thread runs). */
 static void record_settings(rs_executor_t *x) {
@@ -605,7 +502,7 @@ static void engine_free(rs_engine_t *e) {
         close(e->wake[1]);
     for (int i = 0; i < e->nslots; i++)
         if (e->slots[i])
-            free_work(e->slots[i]);
+            rs_work_free(e->slots[i]);
     free(e->slots);
     free(e->generations);
     rs_map_free(&e->in_flight);
@@ -616,27 +513,22 @@ static void engine_free(rs_engine_t *e) {
     rs_timeline_stop(&e->timeline);
     pthread_mutex_destroy(&e->timeline.mu);
     free(e->executor.fusion);
-    rs_direct_free(e->direct);
-    rs_direct_free(e->executor.staged);
+    rs_lane_free(e->lane);
+    rs_lane_free(e->executor.staged);
     pthread_mutex_destroy(&e->mu);
     pthread_cond_destroy(&e->done_cv);
     free(e);
 }
 
-rs_status_t rs_engine_create(rs_comm_t *comm, const rs_engine_config_t *config,
-                             rs_engine_t **out_engine) {
-    if (comm->engine_attached)
-        return rs_fail(comm, RS_ERR_USAGE, "the communicator already has an engine");
-    rs_engine_t *e = calloc(1, sizeof *e);
-    if (!e)
-        return rs_fail(comm, RS_ERR_NOMEM, "out of memory");
+/* Everything but the thread and the lanes; -1 when some part could not be had. */
+static int engine_init(rs_engine_t *e, rs_comm_t *comm, const rs_engine_config_t *config) {
     e->comm = comm;
     e->config = *config;
     e->wake[0] = e->wake[1] = -1;
     pthread_mutex_init(&e->mu, NULL);
     pthread_condattr_t attr;
     pthread_condattr_init(&attr);
-    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC); /* (rs_engine_wait's deadline) */
     pthread_cond_init(&e->done_cv, &attr);
     pthread_condattr_destroy(&attr);
     rs_timeline_init(&e->timeline, comm->rank);
@@ -647,18 +539,38 @@ rs_status_t rs_engine_create(rs_comm_t *comm, const rs_engine_config_t *config,
     e->p2p_received = calloc((size_t)comm->size, sizeof *e->p2p_received);
     e->shut_down = calloc((size_t)comm->size, 1);
     if (!e->p2p_sent || !e->p2p_received || !e->shut_down ||
-        rs_negotiator_init(&e->negotiator, comm->rank, comm->size, config->cache_capacity) != RS_OK ||
-        pipe2(e->wake, O_NONBLOCK | O_CLOEXEC) != 0) {
+        rs_negotiator_init(&e->negotiator, comm, config->cache_capacity) != RS_OK ||
+        pipe2(e->wake, O_NONBLOCK | O_CLOEXEC) != 0)
+        return -1;
+    return 0;
+}
+
+/* The calling threads' lane and the executor's staged instance, each in its own area of
+ * the shared segments; NULL (the engine runs everything) unless every rank is on this
+ * host. */
+static void open_lanes(rs_engine_t *e, const rs_engine_config_t *config) {
+    rs_comm_t *comm = e->comm;
+    if (config->lane_max_bytes > 0)
+        e->lane = rs_lane_create(comm, 0, config->lane_spin_seconds,
+                                 config->stall_check_seconds, (size_t)config->lane_max_bytes);
+    if (config->staged_min_bytes > 0) {
+        e->executor.staged = rs_lane_create(comm, 1, comm->spin_seconds, 0, 0);
+        e->executor.staged_min_bytes = (size_t)config->staged_min_bytes;
+    }
+}
+
+rs_status_t rs_engine_create(rs_comm_t *comm, const rs_engine_config_t *config,
+                             rs_engine_t **out_engine) {
+    if (comm->engine_attached)
+        return rs_fail(comm, RS_ERR_USAGE, "the communicator already has an engine");
+    rs_engine_t *e = calloc(1, sizeof *e);
+    if (!e)
+        return rs_fail(comm, RS_ERR_NOMEM, "out of memory");
+    if (engine_init(e, comm, config) != 0) {
         engine_free(e);
         return rs_fail(comm, RS_ERR_SYSTEM, "cannot set up the engine");
     }
-    if (config->lane_max_bytes > 0)
-        e->direct = rs_direct_create(comm, 0, config->lane_spin_seconds,
-                                     config->stall_check_seconds, (size_t)config->lane_max_bytes);
-    if (config->staged_min_bytes > 0) {
-        e->executor.staged = rs_direct_create(comm, 1, comm->spin_seconds, 0, 0);
-        e->executor.staged_min_bytes = (size_t)config->staged_min_bytes;
-    }
+    open_lanes(e, config);
     record_settings(&e->executor);
     comm->wake_fd = e->wake[0];
     if (pthread_create(&e->thread, NULL, engine_main, e) != 0) {
@@ -672,475 +584,29 @@ rs_status_t rs_engine_create(rs_comm_t *comm, const rs_engine_config_t *config,
     return RS_OK;
 }
 
-/* ---- checking and accepting requests (calling threads, under mu) ---- */
-
-rs_meta_t rs_request_meta(const rs_request_t *r) {
-    int reduces = r->kind == RS_KIND_ALLREDUCE || r->kind == RS_KIND_REDUCESCATTER;
-    rs_meta_t m = {0};
-    m.kind = r->kind;
-    m.dtype = r->kind == RS_KIND_BARRIER || r->kind == RS_KIND_JOIN || r->kind == RS_KIND_TUNE
-                  ? 0 : r->dtype;
-    m.op = reduces ? r->op : 0; /* unused fields stay equal on every rank */
-    m.root = r->kind == RS_KIND_BROADCAST ? r->root : 0;
-    m.prescale = reduces ? r->prescale : 1.0;
-    m.postscale = reduces ? r->postscale : 1.0;
-    m.ndim = r->ndim;
-    if (r->ndim > 0 && r->ndim <= RS_MAX_DIMS) /* (rs_meta_check refuses any other) */
-        memcpy(m.shape, r->shape, (size_t)r->ndim * sizeof(int64_t));
-    return m;
-}
-
-/* ---- point-to-point ----
- *
- * Why sends and recvs go through negotiation rather than around it: every byte between
- * two ranks travels on one stream per pair (TCP socket or shared-memory ring), which the
- * collectives use without framing; a message's bytes may only move where both ends expect
- * them, or they would be read as a negotiation round or a ring step. Negotiation already
- * gives every rank the same order of ready work, so a message becomes one more ready
- * entry: it is ready once its two ends have submitted it (no other rank waits for it),
- * every rank meets it at the same place in that order, and only its two ends move its
- * bytes (the sender's header is its negotiated metadata, already checked for bounds and
- * overflow; the payload is exactly the agreed size). Matching is by name: the engine
- * names a message after its ends and the caller's name, or, unnamed, after its place in
- * the pair's sequence, so the receiver's posted recv meets the sender's send whatever
- * order names are posted in. Nothing waits in an unexpected-message buffer: a send's
- * payload stays in the sender's buffer until the recv is posted (rendezvous), and what
- * negotiation keeps of unmatched messages is bounded (P2P_MAX_IN_FLIGHT per rank). The
- * cost: a message takes a negotiation round, in which every rank of the communicator
- * takes part (cheap, and shared with whatever else is submitted then). A lost peer fails the round, hence every pending
- * message, as it fails collectives. */
-
-static int is_p2p(int kind) { return kind == RS_KIND_SEND || kind == RS_KIND_RECV; }
-
-/* The metadata both ends of a message carry: kind "send", root the sender, op the
- * receiver. */
-static rs_meta_t request_meta(rs_engine_t *e, const rs_request_t *r) {
-    rs_meta_t m = rs_request_meta(r);
-    if (is_p2p(r->kind)) {
-        m.kind = RS_KIND_SEND;
-        m.root = r->kind == RS_KIND_SEND ? e->comm->rank : r->root;
-        m.op = r->kind == RS_KIND_SEND ? r->root : e->comm->rank;
-    }
-    return m;
-}
-
-/* Under mu: *out, the engine's name for the message (caller frees), or a refusal in the
- * engine's record. `earlier`: unnamed messages to the same peer and direction earlier in
- * the same group. */
-static rs_status_t p2p_name(rs_engine_t *e, const char *name, const rs_request_t *r, int earlier,
-                            char **out) {
-    int size = e->comm->size, me = e->comm->rank, send = r->kind == RS_KIND_SEND;
-    const char *what = send ? "send" : "recv", *role = send ? "destination" : "source";
-    if (r->root < 0 || r->root >= size || r->root == me)
-        return rs_error_set(&e->error, RS_ERR_USAGE, "%s: %s rank %d is out of range: not "
-                            "one of ranks 0..%d other than this rank (%d)", what, role, r->root,
-                            size - 1, me);
-    int src = send ? me : r->root, dst = send ? r->root : me;
-    if (name && *name && strlen(name) > RS_MAX_NAME_LEN - 64)
-        return rs_error_set(&e->error, RS_ERR_USAGE, "%s: name '%.64s...' is longer than %d "
-                            "characters", what, name, RS_MAX_NAME_LEN - 64);
-    int64_t seq = (send ? e->p2p_sent : e->p2p_received)[r->root] + earlier;
-    *out = name && *name ? rs_strdup_printf("%s (%d->%d)", name, src, dst)
-                         : rs_strdup_printf("message #%lld (%d->%d)", (long long)seq, src, dst);
-    return *out ? RS_OK : rs_error_set(&e->error, RS_ERR_NOMEM, "out of memory");
-}
-
-/* alltoall: splits (when given) are rows per rank, none negative, summing to shape[0]
- * without overflow; otherwise shape[0] must split evenly. */
-static rs_status_t validate_splits(rs_engine_t *e, const char *name, const rs_request_t *r) {
-    int size = e->comm->size;
-    if (!r->splits) {
-        if (r->shape[0] % size)
-            return rs_error_set(&e->error, RS_ERR_USAGE, "tensor '%s': first dimension %lld "
-                                "is not divisible by %d ranks; pass splits", name,
-                                (long long)r->shape[0], size);
-        return RS_OK;
-    }
-    int64_t sum = 0;
-    for (int i = 0; i < size; i++) {
-        if (r->splits[i] < 0)
-            return rs_error_set(&e->error, RS_ERR_USAGE, "tensor '%s': negative alltoall "
-                                "split %lld for rank %d", name, (long long)r->splits[i], i);
-        if (rs_add_checked(sum, r->splits[i], &sum) != 0)
-            return rs_error_set(&e->error, RS_ERR_USAGE, "tensor '%s': alltoall splits "
-                                "overflow when summed (split %lld for rank %d)", name,
-                                (long long)r->splits[i], i);
-    }
-    if (sum != r->shape[0])
-        return rs_error_set(&e->error, RS_ERR_USAGE, "tensor '%s': alltoall splits sum to "
-                            "%lld, not to the first dimension %lld", name, (long long)sum,
-                            (long long)r->shape[0]);
-    return RS_OK;
-}
-
-/* Check one request on this rank alone (ranks are compared later, in negotiation). */
-static rs_status_t validate(rs_engine_t *e, const char *name, const rs_request_t *r) {
-    if (!name || !*name || strlen(name) > RS_MAX_NAME_LEN)
-        return rs_error_set(&e->error, RS_ERR_USAGE, "tensor name '%.64s' must have 1 to %d "
-                            "characters", name ? name : "", RS_MAX_NAME_LEN);
-    if (rs_map_get(&e->in_flight, name))
-        return rs_error_set(&e->error, RS_ERR_USAGE, "tensor '%s' is already in flight on "
-                            "rank %d; synchronize it before submitting the name again", name,
-                            e->comm->rank);
-    rs_meta_t m = request_meta(e, r);
-    rs_error_t why;
-    if (rs_meta_check(&m, e->comm->size, &why, NULL, NULL) != RS_OK)
-        return rs_error_set(&e->error, RS_ERR_USAGE, "tensor '%s': %s", name, why.text);
-    int needs_rows = r->kind == RS_KIND_ALLGATHER || r->kind == RS_KIND_ALLTOALL ||
-                     r->kind == RS_KIND_REDUCESCATTER;
-    if (needs_rows && r->ndim < 1)
-        return rs_error_set(&e->error, RS_ERR_USAGE, "tensor '%s': %s needs at least one "
-                            "dimension", name, rs_kind_name(r->kind));
-    return r->kind == RS_KIND_ALLTOALL ? validate_splits(e, name, r) : RS_OK;
-}
-
-static rs_work_t *new_work(rs_engine_t *e, const char *name, const rs_request_t *r) {
-    rs_work_t *w = calloc(1, sizeof *w);
-    if (!w || !(w->name = strdup(name))) {
-        free(w);
-        return NULL;
-    }
-    w->meta = request_meta(e, r);
-    w->sendbuf = r->sendbuf;
-    w->recvbuf = r->recvbuf;
-    w->start_now = r->start_now;
-    if (r->kind == RS_KIND_ALLTOALL) {
-        int size = e->comm->size;
-        if (!(w->splits = malloc((size_t)size * sizeof(int64_t)))) {
-            free_work(w);
-            return NULL;
-        }
-        for (int i = 0; i < size; i++)
-            w->splits[i] = r->splits ? r->splits[i] : r->shape[0] / size;
-    }
-    return w;
-}
-
-/* Under mu, once a peer shut down (close_collectives): a collective cannot run any more (but
- * this rank's own shutdown), nor a message to or from a rank that shut down. */
-static rs_status_t check_still_possible(rs_engine_t *e, const char *name, const rs_request_t *r) {
-    int peer = is_p2p(r->kind) && r->root >= 0 && r->root < e->comm->size ? r->root : -1;
-    if (is_p2p(r->kind) ? peer < 0 || !e->shut_down[peer] : strcmp(name, SHUTDOWN_NAME) == 0)
-        return RS_OK;
-    if (peer >= 0)
-        return rs_error_set(&e->error, RS_ERR_COMM, "rank %d has shut down: no message to or "
-                            "from it can complete", peer);
-    return rs_error_set(&e->error, RS_ERR_COMM, "%s", e->closed_text);
-}
-
-/* Under mu: check every request first, so that a group is accepted whole or not at all. */
-static rs_status_t validate_all(rs_engine_t *e, const char **names, const rs_request_t *requests,
-                                int n) {
-    if (e->failure.code != RS_OK)
-        return rs_error_copy(&e->error, &e->failure);
-    for (int i = 0; e->collectives_closed && i < n; i++)
-        RS_CHECK(check_still_possible(e, names[i], &requests[i]));
-    if (e->stopping)
-        return rs_error_set(&e->error, RS_ERR_USAGE, "the engine is shutting down");
-    for (int i = 0; i < n; i++) {
-        RS_CHECK(validate(e, names[i], &requests[i]));
-        for (int j = 0; j < i; j++)
-            if (strcmp(names[i], names[j]) == 0)
-                return rs_error_set(&e->error, RS_ERR_USAGE, "tensor '%s' appears twice in "
-                                    "one group", names[i]);
-    }
-    return RS_OK;
-}
-
-rs_status_t rs_engine_validate(rs_engine_t *e, const char *name, const rs_request_t *r) {
-    pthread_mutex_lock(&e->mu);
-    rs_status_t st = validate_all(e, &name, r, 1);
-    pthread_mutex_unlock(&e->mu);
-    return st;
-}
-
-/* Under mu: forget the first n requests of a group that could not be accepted whole. */
-static void drop_accepted(rs_engine_t *e, const int64_t *handles, int n) {
-    for (int i = 0; i < n; i++) {
-        rs_work_t *w = work_of(e, handles[i]);
-        rs_map_remove(&e->in_flight, w->name);
-        e->slots[handles[i] & 0xffffffff] = NULL;
-        free_work(w);
-    }
-}
-
-/* Under mu: a slot and a request for each of the group, or (out of memory) none. */
-static rs_status_t accept_all(rs_engine_t *e, const char **names, const rs_request_t *requests,
-                              int n, int64_t *handles) {
-    for (int i = 0; i < n; i++) {
-        rs_work_t *w = new_work(e, names[i], &requests[i]);
-        int slot = w ? take_slot(e) : -1;
-        if (slot < 0 || rs_map_put(&e->in_flight, w->name, w) != 0) {
-            if (w)
-                free_work(w);
-            drop_accepted(e, handles, i);
-            return rs_error_set(&e->error, RS_ERR_NOMEM, "out of memory submitting '%s'",
-                                names[i]);
-        }
-        e->slots[slot] = w;
-        w->handle = handles[i] = handle_of(e, slot);
-    }
-    return RS_OK;
-}
-
-/* Under mu. */
-static void enqueue_locked(rs_engine_t *e, rs_work_t *w) {
-    w->submitted_at = rs_now();
-    if (e->queue_tail)
-        e->queue_tail->next = w;
-    else
-        e->queue_head = w;
-    e->queue_tail = w;
-}
-
-/* Under mu: the whole group at once, so that it negotiates in one round. */
-static void queue_all(rs_engine_t *e, const int64_t *handles, int n) {
-    for (int i = 0; i < n; i++)
-        enqueue_locked(e, work_of(e, handles[i]));
-}
-
-/* Under mu: queue a refusal of `name` (see rs_engine_refuse); 1 if one was queued. None
- * for a name every rank's own check refuses alike (empty, too long), for one already in
- * flight here (that request is this rank's own and goes on), for a message (only its two
- * ends wait for it, and they match by their own sequence), or once the engine failed. */
-static int refuse_locked(rs_engine_t *e, const char *name, int kind, uint64_t blocking_seq) {
-    if (e->failure.code != RS_OK || e->stopping || !name || !*name ||
-        strlen(name) > RS_MAX_NAME_LEN || rs_map_get(&e->in_flight, name) || is_p2p(kind) ||
-        kind == RS_KIND_JOIN || kind == RS_KIND_TUNE)
-        return 0;
-    rs_work_t *w = calloc(1, sizeof *w);
-    if (!w || !(w->name = strdup(name))) {
-        free(w);
-        return 0; /* out of memory: the peers' call waits, as it did before refusals */
-    }
-    w->meta = rs_refusal_meta(kind);
-    w->refusal = w->start_now = 1;
-    w->blocking_seq = blocking_seq;
-    w->handle = -1;
-    if (rs_map_put(&e->in_flight, w->name, w) != 0) {
-        free_work(w);
-        return 0;
-    }
-    enqueue_locked(e, w);
-    return 1;
-}
-
-/* Under mu: wake the engine thread if it sleeps or gathers (returns whether to). */
-static int must_wake_locked(rs_engine_t *e, int urgent) {
-    int wake = e->sleeping || (e->gathering && urgent);
-    if (wake) /* one wake-up per sleep: later submitters find the flags down */
-        e->sleeping = e->gathering = 0;
-    return wake;
-}
-
-/* Under mu: the blocking sequence number of a submission of n requests (0: none). Every
- * blocking call of one tensor takes one, refused or not, so that ranks count alike. */
-static uint64_t next_blocking_seq(rs_engine_t *e, const rs_request_t *requests, int n) {
-    int k = n == 1 ? requests[0].kind : -1;
-    int counts = n == 1 && requests[0].blocking && !is_p2p(k) && k != RS_KIND_JOIN &&
-                 k != RS_KIND_TUNE;
-    return counts ? ++e->blocking_calls : 0;
-}
-
-void rs_engine_refuse_later(rs_engine_t *e, const char *name, int kind, int blocking) {
-    pthread_mutex_lock(&e->mu);
-    uint64_t seq = blocking && !is_p2p(kind) ? ++e->blocking_calls : 0;
-    int wake = refuse_locked(e, name, kind, seq) && must_wake_locked(e, 1);
-    pthread_mutex_unlock(&e->mu);
-    if (wake)
-        wake_thread(e);
-}
-
-/* Under mu: names[i] for a collective, the message's name for a send or recv (made[i],
- * which the caller frees). */
-static rs_status_t name_messages(rs_engine_t *e, const char **names, const rs_request_t *requests,
-                                 int n, const char **use, char **made) {
-    int posted = e->p2p_in_flight;
-    for (int i = 0; i < n; i++) {
-        use[i] = names[i];
-        if (!is_p2p(requests[i].kind))
-            continue;
-        int earlier = 0;
-        for (int j = 0; j < i; j++)
-            earlier += requests[j].kind == requests[i].kind &&
-                       requests[j].root == requests[i].root && !(names[j] && *names[j]);
-        if (posted++ >= P2P_MAX_IN_FLIGHT)
-            return rs_error_set(&e->error, RS_ERR_USAGE, "%s: rank %d already has %d sends "
-                                "and recvs in flight, the most it may; synchronize some "
-                                "first (each waits for its peer's matching call)",
-                                rs_kind_name(requests[i].kind), e->comm->rank,
-                                P2P_MAX_IN_FLIGHT);
-        RS_CHECK(p2p_name(e, names[i], &requests[i], earlier, &made[i]));
-        use[i] = made[i];
-    }
-    return RS_OK;
-}
-
-/* Under mu, once a group is accepted: its messages count as in flight, and its unnamed
- * ones take their places in their pairs' order. */
-static void count_messages(rs_engine_t *e, const char **names, const rs_request_t *requests,
-                           int n) {
-    for (int i = 0; i < n; i++) {
-        e->p2p_in_flight += is_p2p(requests[i].kind);
-        if (is_p2p(requests[i].kind) && !(names[i] && *names[i]))
-            (requests[i].kind == RS_KIND_SEND ? e->p2p_sent : e->p2p_received)[requests[i].root]++;
-    }
-}
-
-rs_status_t rs_engine_submit(rs_engine_t *e, const char **names, const rs_request_t *requests,
-                             int n, int64_t *handles) {
-    rs_status_t st;
-    int wake = 0;
-    const char **use = n > 0 ? calloc((size_t)n, sizeof *use) : NULL;
-    char **made = n > 0 ? calloc((size_t)n, sizeof *made) : NULL;
-    pthread_mutex_lock(&e->mu);
-    if (n > 0 && (!use || !made))
-        RS_CHECK_GOTO(rs_error_set(&e->error, RS_ERR_NOMEM, "out of memory"), st, out);
-    if (n > 0)
-        RS_CHECK_GOTO(name_messages(e, names, requests, n, use, made), st, out);
-    uint64_t blocking_seq = next_blocking_seq(e, requests, n);
-    st = validate_all(e, use, requests, n);
-    if (st == RS_ERR_USAGE) { /* the peers' matching calls must fail too, not wait */
-        int refused = 0;
-        for (int i = 0; i < n; i++)
-            refused |= refuse_locked(e, use[i], requests[i].kind, blocking_seq);
-        wake = refused && must_wake_locked(e, 1);
-    }
-    RS_CHECK_GOTO(st, st, out);
-    RS_CHECK_GOTO(accept_all(e, use, requests, n, handles), st, out);
-    if (blocking_seq)
-        work_of(e, handles[0])->blocking_seq = blocking_seq;
-    count_messages(e, names, requests, n);
-    queue_all(e, handles, n);
-    wake = must_wake_locked(e, any_request_starts_now(requests, n));
-out:
-    pthread_mutex_unlock(&e->mu);
-    for (int i = 0; made && i < n; i++)
-        free(made[i]);
-    free(made);
-    free(use);
-    if (wake)
-        wake_thread(e);
-    return st;
-}
-
-int rs_engine_poll(rs_engine_t *e, int64_t handle) {
-    pthread_mutex_lock(&e->mu);
-    rs_work_t *w = work_of(e, handle);
-    int done = w ? w->done : -1;
-    pthread_mutex_unlock(&e->mu);
-    return done;
-}
-
-rs_status_t rs_engine_wait(rs_engine_t *e, int64_t handle, double timeout_seconds, int *done) {
-    struct timespec until;
-    clock_gettime(CLOCK_MONOTONIC, &until);
-    double t = (double)until.tv_sec + until.tv_nsec * 1e-9 + timeout_seconds;
-    until.tv_sec = (time_t)t;
-    until.tv_nsec = (long)((t - (double)until.tv_sec) * 1e9);
-    pthread_mutex_lock(&e->mu);
-    rs_work_t *w = work_of(e, handle);
-    rs_status_t st = RS_ERR_USAGE;
-    if (w && !w->done && !w->start_now) {
-        w->start_now = 1; /* someone waits: stop gathering more into its fusion */
-        if (e->sleeping || e->gathering) {
-            e->sleeping = e->gathering = 0;
-            wake_thread(e);
-        }
-    }
-    if (w && e->direct && w->meta.kind == RS_KIND_JOIN) {
-        /* A joined rank serves the same-host lane while it waits: it takes part in the
-         * others' blocking allreduces with zeros until the join completes. */
-        uint32_t epoch = e->joins; /* this join's: it has not completed (w not done) */
-        pthread_mutex_unlock(&e->mu);
-        rs_direct_serve_joined(e->direct, &w->done, epoch, t);
-        pthread_mutex_lock(&e->mu);
-    }
-    while (w && !w->done && pthread_cond_timedwait(&e->done_cv, &e->mu, &until) != ETIMEDOUT) {
-    }
-    if (w)
-        st = w->done ? w->status : RS_OK;
-    else
-        rs_error_set(&e->error, RS_ERR_USAGE, "unknown or released handle %lld",
-                     (long long)handle);
-    *done = w ? w->done : 0;
-    pthread_mutex_unlock(&e->mu);
-    return st;
-}
-
-const char *rs_engine_handle_error(rs_engine_t *e, int64_t handle) {
-    pthread_mutex_lock(&e->mu);
-    rs_work_t *w = work_of(e, handle);
-    const char *text = w && w->error ? w->error : "";
-    pthread_mutex_unlock(&e->mu);
-    return text;
-}
-
-rs_status_t rs_engine_take_result(rs_engine_t *e, int64_t handle, void **data, int64_t *rows,
-                                  int64_t *recv_splits) {
-    pthread_mutex_lock(&e->mu);
-    rs_work_t *w = work_of(e, handle);
-    rs_status_t st = w && w->done && w->status == RS_OK ? RS_OK : RS_ERR_USAGE;
-    if (st == RS_OK) {
-        *data = w->result;
-        *rows = w->result_rows;
-        w->result = NULL;
-        if (recv_splits && w->result_splits)
-            memcpy(recv_splits, w->result_splits, (size_t)e->comm->size * sizeof(int64_t));
-    }
-    pthread_mutex_unlock(&e->mu);
-    return st;
-}
-
-void rs_engine_release(rs_engine_t *e, int64_t handle) {
-    pthread_mutex_lock(&e->mu);
-    rs_work_t *w = work_of(e, handle);
-    if (w && w->done) { /* a pending request stays: the engine still writes to it */
-        int slot = (int)(handle & 0xffffffff);
-        e->slots[slot] = NULL;
-        e->generations[slot]++;
-        free_work(w);
-    }
-    pthread_mutex_unlock(&e->mu);
-}
-
-const char *rs_engine_last_error(rs_engine_t *e) { return e->error.text; }
-
-static void stop_thread(rs_engine_t *e) {
+void rs_engine_stop_thread(rs_engine_t *e) {
     if (!e->thread_started)
         return;
     pthread_mutex_lock(&e->mu);
     e->stopping = 1;
     pthread_mutex_unlock(&e->mu);
-    wake_thread(e);
+    rs_engine_wake(e);
     pthread_join(e->thread, NULL);
     e->thread_started = 0;
-}
-
-rs_status_t rs_engine_shutdown(rs_engine_t *e) {
-    rs_request_t barrier = {.kind = RS_KIND_BARRIER, .start_now = 1};
-    const char *name = SHUTDOWN_NAME;
-    int64_t handle;
-    rs_status_t st = rs_engine_submit(e, &name, &barrier, 1, &handle);
-    int done = 0;
-    while (st == RS_OK && !done)
-        st = rs_engine_wait(e, handle, 1.0, &done);
-    stop_thread(e);
-    return st;
 }
 
 rs_status_t rs_engine_abort(rs_engine_t *e, const char *reason) {
     /* rs_engine_fail only shuts the sockets down (no close), which the engine thread,
      * possibly blocked in poll on them, sees as a failed round. */
     rs_engine_fail(e, RS_ERR_COMM, reason ? reason : "aborted");
-    wake_thread(e);
+    rs_engine_wake(e);
     return RS_OK;
 }
 
 void rs_engine_destroy(rs_engine_t *e) {
     if (!e)
         return;
-    stop_thread(e);
+    rs_engine_stop_thread(e);
     pthread_mutex_lock(&e->mu);
     set_failure_locked(e, RS_ERR_COMM, "the engine was shut down");
     for (int i = 0; i < e->nslots; i++)
@@ -1168,34 +634,4 @@ rs_status_t rs_engine_start_timeline(rs_engine_t *e, const char *path, int mark_
 rs_status_t rs_engine_stop_timeline(rs_engine_t *e) {
     rs_timeline_stop(&e->timeline);
     return RS_OK;
-}
-
-/* ---- lent to the same-host lane's glue (lane.c) ---- */
-
-rs_direct_t *rs_engine_lane(rs_engine_t *e) { return e->direct; }
-
-rs_comm_t *rs_engine_comm(rs_engine_t *e) { return e->comm; }
-
-const rs_status_t *rs_engine_failure(rs_engine_t *e) { return &e->lane_stop; }
-
-uint32_t rs_engine_joins(rs_engine_t *e) { return __atomic_load_n(&e->joins, __ATOMIC_ACQUIRE); }
-
-rs_timeline_t *rs_engine_timeline(rs_engine_t *e) { return &e->timeline; }
-
-rs_status_t rs_engine_report(rs_engine_t *e, rs_status_t st, const char *text) {
-    pthread_mutex_lock(&e->mu);
-    rs_error_set(&e->error, st, "%s", text);
-    pthread_mutex_unlock(&e->mu);
-    return st;
-}
-
-rs_status_t rs_engine_report_failure(rs_engine_t *e, rs_status_t st) {
-    pthread_mutex_lock(&e->mu);
-    rs_error_copy(&e->error, &e->failure);
-    if (e->failure.code != RS_OK)
-        st = e->failure.code;
-    else if (e->collectives_closed) /* (what stopped a lane caller) */
-        st = rs_error_set(&e->error, RS_ERR_COMM, "%s", e->closed_text);
-    pthread_mutex_unlock(&e->mu);
-    return st;
 }

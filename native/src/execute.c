@@ -5,7 +5,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine.h"
+#include "execute.h"
+#include "progress.h"
+#include "util.h"
 
 static int64_t row_elements(const rs_meta_t *m) {
     int64_t n = 1;
@@ -53,8 +55,8 @@ static rs_status_t reduce_buffer(rs_executor_t *x, const void *send, void *recv,
         count * rs_dtype_size(m->dtype) < x->staged_min_bytes)
         return rs_allreduce(x->comm, send, recv, count, m->dtype, m->op, m->prescale,
                             m->postscale);
-    rs_status_t st = rs_direct_staged_allreduce(x->staged, send, recv, count, m);
-    const rs_error_t *why = rs_direct_error(x->staged); /* the engine thread's instance */
+    rs_status_t st = rs_lane_staged_allreduce(x->staged, send, recv, count, m);
+    const rs_error_t *why = rs_lane_error(x->staged); /* the engine thread's instance */
     if (st != RS_OK && why->code != RS_OK)
         rs_fail(x->comm, st, "%s", why->text);
     return st;
@@ -274,7 +276,7 @@ static rs_status_t settle(rs_executor_t *x, rs_pending_t **group, int n, rs_stat
     return st;
 }
 
-/* ---- point-to-point messages (see "point-to-point" in engine.c) ----
+/* ---- point-to-point messages (see "point-to-point" in submit.c) ----
  *
  * Negotiation proved that both ends posted a message with the same dtype and shape, so
  * the receiver's buffer takes exactly the bytes the sender sends. Every rank meets a run

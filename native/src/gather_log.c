@@ -16,7 +16,8 @@
 #include <string.h>
 
 #include "checked.h"
-#include "internal.h"
+#include "gather_log.h"
+#include "progress.h"
 
 static int wrap(int a, int n) { return ((a % n) + n) % n; }
 

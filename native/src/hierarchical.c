@@ -11,7 +11,8 @@
  * so every rank ends with the same bits. */
 #include <stdlib.h>
 
-#include "internal.h"
+#include "hierarchical.h"
+#include "ring.h"
 #include "util.h"
 
 static rs_group_t local_group(const rs_topology_t *t) {

@@ -8,19 +8,29 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine.h"
+#include "negotiate.h"
 
 /* ---- negotiator state ---- */
 
-rs_status_t rs_negotiator_init(rs_negotiator_t *n, int rank, int size, int capacity) {
+/* Out of memory on this rank's side of a round: the words go into the communicator's
+ * record here; rs_negotiate then breaks the communicator (the peers are mid-round). */
+static rs_status_t no_memory(const rs_negotiator_t *n, const char *what) {
+    return rs_fail(n->comm, RS_ERR_NOMEM, "rank %d: out of memory while negotiating (%s)",
+                   n->rank, what);
+}
+
+rs_status_t rs_negotiator_init(rs_negotiator_t *n, rs_comm_t *comm, int capacity) {
     memset(n, 0, sizeof *n);
-    n->rank = rank;
-    n->size = size;
+    n->comm = comm;
+    n->rank = comm->rank;
+    n->size = comm->size;
     n->capacity = capacity > 0 ? capacity : 0;
     n->cache_names = calloc((size_t)n->capacity + 1, sizeof *n->cache_names);
     n->cache_metas = calloc((size_t)n->capacity + 1, sizeof *n->cache_metas);
     n->cache_valid = calloc((size_t)n->capacity + 1, 1);
-    return n->cache_names && n->cache_metas && n->cache_valid ? RS_OK : RS_ERR_NOMEM;
+    if (!n->cache_names || !n->cache_metas || !n->cache_valid)
+        return no_memory(n, "for the response cache");
+    return RS_OK;
 }
 
 void rs_pending_free(rs_pending_t *p) {
@@ -107,7 +117,7 @@ static rs_status_t join_recorded(rs_negotiator_t *n, rs_pending_t *join, pending
     n->join = join;
     for (size_t i = 0; i < n->pending.capacity; i++)
         if (n->pending.keys[i] && list_add(touched, n->pending.values[i]) != 0)
-            return RS_ERR_NOMEM;
+            return no_memory(n, "recording a join");
     return RS_OK;
 }
 
@@ -166,7 +176,7 @@ static rs_status_t record(rs_negotiator_t *n, int r, const char *name, const rs_
                           const rs_map_t *mine, pending_list_t *touched, double now) {
     rs_pending_t *p = pending_for(n, name, now);
     if (!p || list_add(touched, p) != 0)
-        return RS_ERR_NOMEM;
+        return no_memory(n, "recording a submission");
     if (!p->submitted[r]) {
         p->submitted[r] = 1;
         p->count++;
@@ -214,7 +224,7 @@ static rs_status_t encode(const rs_negotiator_t *n, rs_work_t **batch, int nbatc
         total += sizeof(entry_header_t) + strlen(batch[i]->name);
     char *out = malloc(total ? total : 1), *at = out;
     if (!out)
-        return RS_ERR_NOMEM;
+        return no_memory(n, "encoding this rank's requests");
     for (int i = 0; i < nbatch; i++) {
         const rs_work_t *w = batch[i];
         int id = cache_id(n, w->name);
@@ -295,7 +305,7 @@ static rs_status_t collect_ready(rs_negotiator_t *n, pending_list_t *touched,
                                  rs_pending_t ***ready, int *nready) {
     rs_pending_t **out = malloc((size_t)(touched->count ? touched->count : 1) * sizeof *out);
     if (!out)
-        return RS_ERR_NOMEM;
+        return no_memory(n, "collecting the ready tensors");
     int k = 0;
     for (int i = 0; i < touched->count; i++) {
         rs_pending_t *p = touched->items[i];
@@ -328,7 +338,7 @@ static rs_status_t exchange(rs_comm_t *comm, rs_negotiator_t *n, const uint64_t 
     *gathered_payload = NULL;
     if (!mine || !all || !counts) {
         free(mine);
-        return RS_ERR_NOMEM;
+        return no_memory(n, "gathering the round's headers");
     }
     round_header_t h = {ROUND_MAGIC, (uint32_t)words, n->rounds, payload_bytes,
                         rs_fnv1a(payload, payload_bytes), blocking[0], blocking[1]};
@@ -357,7 +367,7 @@ static rs_status_t exchange(rs_comm_t *comm, rs_negotiator_t *n, const uint64_t 
         return RS_OK;
     /* Second round, only when some rank sent tensors the cache does not know. */
     if (!(*gathered_payload = malloc((size_t)total)))
-        return RS_ERR_NOMEM;
+        return no_memory(n, "gathering the round's requests");
     RS_CHECK(rs_allgatherv(comm, payload, *gathered_payload, counts, 1));
     const char *at = *gathered_payload;
     for (int r = 0; r < n->size; at += counts[r], r++) {
@@ -455,7 +465,7 @@ static rs_status_t fail_blocking(rs_negotiator_t *n, int r, uint64_t hash, const
     if (!p || p->failure)
         return RS_OK;
     if (!(p->failure = strdup(text)) || list_add(touched, p) != 0)
-        return RS_ERR_NOMEM;
+        return no_memory(n, "failing a blocking call out of order");
     return RS_OK;
 }
 
@@ -481,7 +491,7 @@ static rs_status_t check_blocking_order(rs_negotiator_t *n, const char *gathered
                 continue;
             char *text = out_of_order_text(n, a, ha->blocking_hash, b, hb->blocking_hash);
             if (!text)
-                return RS_ERR_NOMEM;
+                return no_memory(n, "wording blocking calls out of order");
             remember_failed_blocking(n, ha->blocking_seq, text);
             break;
         }
@@ -505,10 +515,11 @@ rs_status_t rs_negotiate(rs_comm_t *comm, rs_negotiator_t *n, rs_work_t **batch,
     pending_list_t touched = {0};
     size_t payload_bytes = 0;
     rs_status_t st;
-    RS_CHECK_GOTO(bits ? RS_OK : RS_ERR_NOMEM, st, out);
+    if (!bits)
+        RS_CHECK_GOTO(no_memory(n, "for the cache bits"), st, out);
     for (int i = 0; i < nbatch; i++)
-        RS_CHECK_GOTO(rs_map_put(&mine, batch[i]->name, batch[i]) == 0 ? RS_OK : RS_ERR_NOMEM,
-                      st, out);
+        if (rs_map_put(&mine, batch[i]->name, batch[i]) != 0)
+            RS_CHECK_GOTO(no_memory(n, "indexing this rank's requests"), st, out);
     RS_CHECK_GOTO(encode(n, batch, nbatch, bits, &payload, &payload_bytes), st, out);
     uint64_t blocking[2];
     oldest_blocking(n, batch, nbatch, blocking);
@@ -520,8 +531,11 @@ rs_status_t rs_negotiate(rs_comm_t *comm, rs_negotiator_t *n, rs_work_t **batch,
                                        &touched), st, out);
     st = collect_ready(n, &touched, ready, nready);
 out:
-    if (st == RS_ERR_NOMEM)
-        st = rs_fail(comm, RS_ERR_COMM, "rank %d: out of memory while negotiating", comm->rank);
+    if (st == RS_ERR_NOMEM) { /* recorded where it happened: keep the words, break comm */
+        rs_error_t why;
+        rs_comm_error(comm, &why);
+        st = rs_fail(comm, RS_ERR_COMM, "%s", why.text);
+    }
     free(bits);
     free(payload);
     free(gathered_bits);

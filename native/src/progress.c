@@ -4,7 +4,8 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "internal.h"
+#include "progress.h"
+#include "transport.h"
 
 static size_t send_limit(const rs_xfer_t *x) {
     if (x->avail && *x->avail < x->len)

@@ -5,7 +5,7 @@
 #include <math.h>
 #include <string.h>
 
-#include "internal.h"
+#include "reduce.h"
 
 /* ---- 16-bit float conversions (portable; no compiler extensions) ---- */
 

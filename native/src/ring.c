@@ -4,7 +4,7 @@
  * ranks with the same place on every host. */
 #include <stdlib.h>
 
-#include "internal.h"
+#include "ring.h"
 #include "util.h"
 
 /* Received data is reduced in pieces of this size while the rest is still arriving,

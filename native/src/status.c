@@ -8,8 +8,10 @@
 #include <string.h>
 #include <time.h>
 
-#include "internal.h"
+#include "comm.h"
 #include "util.h"
+
+#define RS_VERSION "0.1.0" /* the core's, as rs_version reports it */
 
 const char *rs_version(void) { return RS_VERSION; }
 

@@ -15,7 +15,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "engine.h"
+#include "timeline.h"
 
 void rs_timeline_init(rs_timeline_t *t, int rank) {
     memset(t, 0, sizeof *t);

@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
+#include "topology.h"
 
 void rs_topology_free(rs_topology_t *t) {
     free(t->local_ranks);

@@ -33,7 +33,9 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
-#include "internal.h"
+#include "progress.h"
+#include "transport_shm.h"
+#include "util.h"
 
 #define RING_BYTES ((uint64_t)1 << 21) /* per sending peer: 2 MiB */
 #define DOORBELL 'D'
@@ -171,9 +173,7 @@ static int note(struct rs_shm *shm, int error, const char *what, const char *nam
  * when a signal is pending. */
 static int reserve(int fd, size_t bytes) {
     int error;
-    do
-        error = posix_fallocate(fd, 0, (off_t)bytes);
-    while (error == EINTR);
+    RS_RETRY_EINTR_CODE(error, posix_fallocate(fd, 0, (off_t)bytes));
     return error;
 }
 
@@ -368,9 +368,9 @@ static rs_status_t shm_alloc(rs_comm_t *comm) {
     /* Every rank of a host sees the same list of the host's ranks, in rank order. */
     for (int p = 0; p < comm->size; p++)
         shm->index[p] = p == comm->rank || same_host(comm, p) ? shm->local_size++ : -1;
-    /* The same-host fast lane's areas (direct.c) follow the rings. */
+    /* The same-host fast lane's areas (lane.c) follow the rings. */
     shm->segment_bytes = (size_t)(shm->local_size - 1) * sizeof(ring_t) +
-                         RS_DIRECT_AREAS * RS_DIRECT_AREA_BYTES;
+                         RS_LANE_AREAS * RS_LANE_AREA_BYTES;
     segment_name(shm->name, sizeof shm->name, comm->job_id, comm->rank, (int)getpid());
     return RS_OK;
 }
@@ -446,11 +446,11 @@ static int all_local(const rs_comm_t *comm) {
 
 static void *shm_shared_area(rs_comm_t *comm, int rank, int area) {
     struct rs_shm *shm = comm->shm;
-    if (!all_local(comm) || area < 0 || area >= RS_DIRECT_AREAS || rank < 0 || rank >= comm->size)
+    if (!all_local(comm) || area < 0 || area >= RS_LANE_AREAS || rank < 0 || rank >= comm->size)
         return NULL;
     ring_t *segment = rank == comm->rank ? shm->mine : shm->theirs[rank];
     return (char *)segment + (size_t)(shm->local_size - 1) * sizeof(ring_t) +
-           (size_t)area * RS_DIRECT_AREA_BYTES;
+           (size_t)area * RS_LANE_AREA_BYTES;
 }
 
 /* ---- the rings ---- */

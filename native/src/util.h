@@ -1,11 +1,31 @@
 /* Small utilities at the bottom of the native core: they call nothing of the core, so
- * every other file may use them without making a loop. A string map, formatting, the
- * names of dtypes, ops and collective kinds, rank lists, and the even split of a count. */
+ * every other file may use them without making a loop. Retrying interrupted system calls,
+ * a string map, formatting, the names of dtypes, ops and collective kinds, rank lists, and
+ * the even split of a count. */
 #ifndef RINGSYNC_UTIL_H
 #define RINGSYNC_UTIL_H
 
+#include <errno.h>
 #include <stddef.h>
 #include <stdint.h>
+
+/* ---- system calls a signal interrupts ----
+ *
+ * A signal that arrives during a system call may make it fail with EINTR having done
+ * nothing: the call is simply made again. RS_RETRY_EINTR is for
+ * calls that return -1 and set errno (read, send, recv, accept4, getrandom), with `result`
+ * the variable that takes what the call returns; RS_RETRY_EINTR_CODE for those that return
+ * the error number itself (posix_fallocate). Polls are not retried this way: for them EINTR
+ * means "nothing ready yet", and their callers look at their deadlines and poll again. */
+#define RS_RETRY_EINTR(result, call)                    \
+    do {                                                \
+        (result) = (call);                              \
+    } while ((result) < 0 && errno == EINTR)
+
+#define RS_RETRY_EINTR_CODE(error, call)                \
+    do {                                                \
+        (error) = (call);                               \
+    } while ((error) == EINTR)
 
 /* ---- a small string -> pointer map (open addressing) ---- */
 typedef struct {
