@@ -183,7 +183,7 @@ def waiting_cpu(rs, comm) -> dict:
 
 
 def run_job(np_: int, args) -> dict:
-    from ringsync import launcher
+    from ringsync.launch import mpirun as launcher
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")

@@ -230,7 +230,8 @@ def inside_a_rank() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def mpirun_path() -> str | None:
-    from ringsync.launcher import LauncherError, find_mpirun
+    from ringsync.errors import LauncherError
+    from ringsync.launch.mpirun import find_mpirun
 
     try:
         return find_mpirun()

@@ -41,7 +41,7 @@ import threading
 import time
 import traceback
 
-from ringsync import launcher
+from ringsync.launch import mpirun as launcher
 # Offered here to users' tests (ringsync.testing is the public module).
 from ringsync.netns import VirtualHosts, unavailable as virtual_hosts_unavailable  # noqa: F401
 

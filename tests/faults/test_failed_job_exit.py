@@ -17,7 +17,7 @@ import time
 import pytest
 
 import ringsync as rs
-from ringsync import launcher
+from ringsync.launch import cli
 from ringsync.testing import run_mpi
 
 pytestmark = [
@@ -25,7 +25,8 @@ pytestmark = [
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc"),
 ]
 
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(launcher.__file__)))
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(cli.__file__))))  # ringsync/launch/cli.py: three levels down
 DEADLINE = 150  # one job's start-up, failure and end on a busy 2-core machine
 MODES = {"plain": (), "elastic": ("--elastic",)}
 
@@ -77,7 +78,7 @@ class Job:
         env = dict(os.environ, PYTHONPATH=PACKAGE_ROOT, PYTHONUNBUFFERED="1",
                    RINGSYNC_TIMEOUT_SECONDS="60")
         self.launcher = subprocess.Popen(
-            [sys.executable, "-m", "ringsync.launcher", "run", *MODES[mode], "-np", "2",
+            [sys.executable, "-m", "ringsync.launch.cli", "run", *MODES[mode], "-np", "2",
              sys.executable, str(script), str(tmp_path)],
             stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 

@@ -16,14 +16,15 @@ import uuid
 
 import pytest
 
-from ringsync import launcher
+from ringsync.launch import cli
 
 pytestmark = [
     pytest.mark.requires_mpirun,
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; needs prctl"),
 ]
 
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(launcher.__file__)))
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(cli.__file__))))  # ringsync/launch/cli.py: three levels down
 START_DEADLINE = 90  # mpirun start-up on a busy 2-core machine
 DEADLINE = 20
 
@@ -139,7 +140,7 @@ class Job:
         self.log = open(tmp_path / "launcher.log", "w")
         env = dict(os.environ, PYTHONPATH=PACKAGE_ROOT, PYTHONUNBUFFERED="1")
         self.launcher = subprocess.Popen(
-            [sys.executable, "-m", "ringsync.launcher", "run", "-np", "2",
+            [sys.executable, "-m", "ringsync.launch.cli", "run", "-np", "2",
              str(script), str(tmp_path), self.marker],
             stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.launcher_process = Proc(self.launcher.pid, "launcher")

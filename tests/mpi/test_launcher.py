@@ -2,7 +2,7 @@
 exit status comes back, Ctrl-C (SIGINT) ends the ranks, and doctor reports the MPI.
 
 The command's one-process tests (mpirun command building with a pretend MPI, signals
-passed on to a stand-in for mpirun) are in tests/unit/test_launcher.py."""
+passed on to a stand-in for mpirun) are in tests/unit/launch/."""
 
 import json
 import os
@@ -14,16 +14,17 @@ import uuid
 
 import pytest
 
-from ringsync import launcher
+from ringsync.launch import cli
 
 pytestmark = pytest.mark.requires_mpirun
 
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(launcher.__file__)))
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(cli.__file__))))  # ringsync/launch/cli.py: three levels down
 
 
 def run_cli(*argv, env=None, **kwargs):
     env = env or dict(os.environ, PYTHONPATH=PACKAGE_ROOT, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "ringsync.launcher", *argv],
+    return subprocess.run([sys.executable, "-m", "ringsync.launch.cli", *argv],
                           capture_output=True, text=True, env=env, timeout=120, **kwargs)
 
 
@@ -48,7 +49,7 @@ def test_sigint_reaches_the_ranks(tmp_path):
     script.write_text("import time\nprint('ready', flush=True)\ntime.sleep(3600)\n")
     env = dict(os.environ, PYTHONPATH=PACKAGE_ROOT, PYTHONUNBUFFERED="1")
     job = subprocess.Popen(
-        [sys.executable, "-m", "ringsync.launcher", "run", "-np", "2", str(script), marker],
+        [sys.executable, "-m", "ringsync.launch.cli", "run", "-np", "2", str(script), marker],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         assert job.stdout.readline().strip().endswith("ready")  # (tagged with its rank)

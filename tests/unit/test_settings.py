@@ -8,10 +8,11 @@ import re
 
 import pytest
 
-from ringsync import launcher
 from ringsync.config import (AGREED_SETTINGS, ENV_PREFIX, INT64_MAX, Config, Setting,
                              default_in_words, setting_fields, settings_table, within_bounds)
 from ringsync.errors import UsageError
+from ringsync.launch import cli, doctor, hosts
+from ringsync.launch import mpirun as mpirun_module
 
 README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
 REGENERATE = ("print the table with: python -c 'from ringsync.config import settings_table; "
@@ -110,7 +111,7 @@ def test_doctor_lists_every_setting_with_value_and_source():
     environ = {"RINGSYNC_FUSION_THRESHOLD": "0", "RINGSYNC_CACHE_CAPACITY": "x",
                "RINGSYNC_SPIN_US": "2e6", "RINGSYNC_TRANSPORT": "udp",
                "RINGSYNC_LANE_BYTE": "5"}
-    lines = launcher.settings_report(environ)
+    lines = doctor.settings_report(environ)
     for f, setting in setting_fields():
         line = next((l for l in lines if re.match(rf"{setting.env}\b", l)), None)
         assert line is not None, f"doctor does not list {setting.env}"
@@ -130,13 +131,14 @@ def test_doctor_prints_the_settings(monkeypatch, capsys):
         if name.startswith(ENV_PREFIX):
             monkeypatch.delenv(name)
     monkeypatch.setenv("RINGSYNC_TIMEOUT_SECONDS", "30")
-    for name, describe in [("find_mpirun", lambda: "/opt/mpi/bin/mpirun"),
-                           ("mpi_flavor", lambda mpirun: launcher.OPEN_MPI),
-                           ("mpi_library", lambda: "MPI"), ("ulfm_support", lambda: "no"),
-                           ("mpi4py_version", lambda: "4"),
-                           ("framework_version", lambda name: "not installed")]:
-        monkeypatch.setattr(launcher, name, describe)
-    assert launcher.main(["doctor"]) == 0
+    for name, describe in [("mpirun.find_mpirun", lambda: "/opt/mpi/bin/mpirun"),
+                           ("mpirun.mpi_flavor", lambda mpirun: mpirun_module.OPEN_MPI),
+                           ("doctor.mpi_library", lambda: "MPI"),
+                           ("doctor.ulfm_support", lambda: "no"),
+                           ("doctor.mpi4py_version", lambda: "4"),
+                           ("doctor.framework_version", lambda name: "not installed")]:
+        monkeypatch.setattr("ringsync.launch." + name, describe)
+    assert cli.main(["doctor"]) == 0
     out = capsys.readouterr().out
     for _, setting in setting_fields():
         assert "\n  " + setting.env in out, setting.env
@@ -147,16 +149,17 @@ def test_exports_follow_the_settings_list(monkeypatch):
     environ = {"RINGSYNC_ELASTIC_MIN_NP": "2", "RINGSYNC_TEST_DIR": "/tmp/x",
                "RINGSYNC_FUSION_THRESHOLD": "1", "PATH": "/bin", "OTHER": "y"}
     # Settings first (Config's order), then other RINGSYNC_*, then the rest, sorted.
-    assert launcher.exported_variables(environ) == [
+    assert mpirun_module.exported_variables(environ) == [
         "RINGSYNC_FUSION_THRESHOLD", "RINGSYNC_ELASTIC_MIN_NP", "RINGSYNC_TEST_DIR", "OTHER",
         "PATH"]
-    options = launcher.RunOptions(np=2, program=["a.py"], elastic=True, min_np=2, respawn=True)
+    options = mpirun_module.RunOptions(np=2, program=["a.py"], elastic=True, min_np=2,
+                                       respawn=True)
     names = {f.name: s.env for f, s in setting_fields()}
-    assert launcher.elastic_settings(options) == {names["elastic_min_np"]: "2",
-                                                  names["elastic_respawn"]: "1"}
-    monkeypatch.setattr(launcher, "local_slots", lambda: 4)
-    command = launcher.build_mpirun_command(options, mpirun="mpirun",
-                                            flavor=launcher.OPEN_MPI, environ=environ)
+    assert mpirun_module.elastic_settings(options) == {names["elastic_min_np"]: "2",
+                                                       names["elastic_respawn"]: "1"}
+    monkeypatch.setattr(hosts, "local_slots", lambda: 4)
+    command = mpirun_module.build_mpirun_command(options, mpirun="mpirun",
+                                                 flavor=mpirun_module.OPEN_MPI, environ=environ)
     # The option's value alone reaches the ranks, not also the variable it replaces.
     assert command.count("RINGSYNC_ELASTIC_MIN_NP") == 0
     assert "RINGSYNC_ELASTIC_MIN_NP=2" in command
@@ -210,7 +213,7 @@ def test_a_bad_alias_value_names_the_horovod_variable():
 
 
 def test_doctor_names_the_horovod_variable_a_value_comes_from():
-    lines = launcher.settings_report({"HOROVOD_CYCLE_TIME": "3.5", "HOROVOD_AUTOTUNE": "1",
+    lines = doctor.settings_report({"HOROVOD_CYCLE_TIME": "3.5", "HOROVOD_AUTOTUNE": "1",
                                       "HOROVOD_HIERARCHICAL_ALLGATHER": "1",
                                       "HOROVOD_STALL_CHECK_DISABLE": "1"})
     by_name = {l.split("=")[0].split()[0]: l for l in lines}
