@@ -27,7 +27,8 @@ from .config import Config
 from .engine_settings import Settings
 from .errors import UsageError
 from .ops import ReduceOp, as_op
-from .rendezvous import Rendezvous, as_rendezvous
+from .rendezvous import Rendezvous
+from .rendezvous_mpi import as_rendezvous
 
 assert [int(o) for o in ReduceOp] == [lib.RS_OP_SUM, lib.RS_OP_AVERAGE, lib.RS_OP_MIN,
                                       lib.RS_OP_MAX, lib.RS_OP_PRODUCT, lib.RS_OP_ADASUM], \

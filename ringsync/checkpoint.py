@@ -1,8 +1,7 @@
-"""Sharded checkpoints: every rank writes its own part, and a checkpoint saved on N ranks
-loads on M (PyTorch models and optimizers).
-
-    ringsync.checkpoint.save(path, model, optimizer, step=step)
-    extra = ringsync.checkpoint.load(path, model, optimizer)   # {"step": step}
+"""Sharded checkpoints, the format: every rank writes its own part, and a checkpoint saved
+on N ranks loads on M. Framework-free: a framework's glue (ringsync.torch.checkpoint for
+PyTorch models and optimizers) says what goes into the parts, and supplies a Codec (how its
+tensors are copied, made, written and read).
 
 `path` is a directory every rank of the set can reach (a shared file system across hosts).
 A save writes generation k:
@@ -16,31 +15,59 @@ and checkpoint.json only after every rank's part is on disk; so a crash or a kil
 any point leaves checkpoint.json naming the previous complete generation, and a load never
 sees a half-written checkpoint. Older generations are removed after the new one is named.
 
-What each part holds:
-- a ShardedModule (stage 3): this rank's slice of every module's run, with the elements
-  [lo, hi) it covers; buffers from rank 0. A plain torch.nn.Module: its state_dict, from
-  rank 0 (every rank holds the same).
-- a ShardedOptimizer (stages 1, 2) or an optimizer over a ShardedModule's slices: the
-  per-element state (momentum, exp_avg, ...) and master copies as slices with their element
-  ranges, the per-tensor state (Adam's step) and hyperparameters; any other optimizer
-  (DistributedOptimizer, plain torch): its state_dict, from rank 0.
-A load assembles the element ranges its own ranks need from every saved part, so the rank
-count may change between save and load; the model's structure and the optimizer's param
-groups may not. Loading a ShardedModule checkpoint into a plain module (or the reverse)
-works as well. Files are read with torch.load(weights_only=True): a checkpoint cannot run
-code.
+A part holds slices of flat tensors ("pieces", each with the element range [a, b) of the
+whole it covers) and whole values, under string keys. A load assembles the element ranges
+its own ranks need from every saved part (Reader.range), so the rank count may change
+between save and load.
 """
+import abc
 import json
 import os
 import re
 import shutil
 
-from ringsync.errors import CheckpointError, UsageError
-from ringsync.process_sets import global_process_set
+from ringsync.errors import CheckpointError
+from ringsync.objects import allgather_object
+
+__all__ = ["FORMAT", "META", "CheckpointError", "Codec", "Parts", "Reader", "open_checkpoint",
+           "save_generation", "write_atomically"]
 
 FORMAT = 1
 META = "checkpoint.json"
 _GENERATION = re.compile(r"gen-(\d+)$")
+_MOVED = {"save": "ringsync.torch.checkpoint.save", "load": "ringsync.torch.checkpoint.load"}
+
+
+def __getattr__(name):
+    if name in _MOVED:  # (PyTorch's entry points live with the PyTorch glue)
+        raise AttributeError(f"module 'ringsync.checkpoint' has no attribute '{name}': "
+                             f"PyTorch models and optimizers are saved with {_MOVED[name]}")
+    raise AttributeError(f"module 'ringsync.checkpoint' has no attribute '{name}'")
+
+
+class Codec(abc.ABC):
+    """What the format needs from a framework: its tensors flat on the host, new ones, and
+    a part's bytes. A part is a dict of plain values and the framework's tensors."""
+
+    @abc.abstractmethod
+    def flat_copy(self, tensor):
+        """A one-dimensional host copy of tensor (whatever its shape or device)."""
+
+    @abc.abstractmethod
+    def numel(self, tensor) -> int:
+        """The number of elements of tensor."""
+
+    @abc.abstractmethod
+    def empty(self, n: int, like):
+        """A one-dimensional host tensor of n elements of like's dtype."""
+
+    @abc.abstractmethod
+    def dumps(self, part: dict) -> bytes:
+        """part as bytes (may raise: a value that cannot be saved)."""
+
+    @abc.abstractmethod
+    def load(self, file: str) -> dict:
+        """What dumps wrote to file (may raise anything: the file is named unreadable)."""
 
 
 # ---- the parts a rank writes ----
@@ -49,15 +76,17 @@ class Parts:
     """What one rank saves: slices of flat tensors ("pieces", with the element range
     [a, b) of `total` they cover) and whole values, both under string keys."""
 
-    def __init__(self):
+    def __init__(self, codec: Codec):
+        self.codec = codec
         self.pieces, self.whole = {}, {}
 
     def add_piece(self, key, tensor, a, total):
-        """Elements [a, a + tensor.numel()) of the flat tensor `key` of `total` elements (a
+        """Elements [a, a + numel(tensor)) of the flat tensor `key` of `total` elements (a
         rank may add several pieces of one key)."""
-        flat = tensor.detach().reshape(-1).cpu().clone()
+        flat = self.codec.flat_copy(tensor)
         self.pieces.setdefault(key, []).append(
-            {"a": int(a), "b": int(a) + flat.numel(), "total": int(total), "tensor": flat})
+            {"a": int(a), "b": int(a) + self.codec.numel(flat), "total": int(total),
+             "tensor": flat})
 
     def as_dict(self):
         return {"format": FORMAT, "pieces": self.pieces, "whole": self.whole}
@@ -66,14 +95,13 @@ class Parts:
 class Reader:
     """Every saved part of one generation, assembled by key and element range."""
 
-    def __init__(self, files):
-        import torch
+    def __init__(self, files, codec: Codec):
+        self.codec = codec
         self.parts = []
         for f in files:
             try:
-                self.parts.append(torch.load(f, map_location="cpu", weights_only=True,
-                                             mmap=True))
-            except Exception as e:  # (any torch or pickle failure: name the file)
+                self.parts.append(codec.load(f))
+            except Exception as e:  # (any framework or pickle failure: name the file)
                 raise CheckpointError(f"ringsync.checkpoint: {f} cannot be read ({e})") from e
         for f, part in zip(files, self.parts):
             if not isinstance(part, dict) or part.get("format") != FORMAT:
@@ -102,7 +130,6 @@ class Reader:
     def range(self, key, a, b, total):
         """Elements [a, b) of the flat tensor `key` (of `total` elements), from whichever
         parts hold them; CheckpointError when the sizes differ or elements are missing."""
-        import torch
         found = self.total(key)
         if found != total:
             raise CheckpointError(f"ringsync.checkpoint: '{key}' has {found} elements in the "
@@ -110,10 +137,10 @@ class Reader:
         out, covered = None, []
         for piece in self._pieces(key):
             t, pa, pb = piece["tensor"], piece["a"], piece["b"]
-            if not (0 <= pa <= pb <= total and t.numel() == pb - pa):
+            if not (0 <= pa <= pb <= total and self.codec.numel(t) == pb - pa):
                 raise CheckpointError(f"ringsync.checkpoint: '{key}' has a piece [{pa}, {pb}) "
-                                      f"of {t.numel()} elements, out of [0, {total})")
-            out = torch.empty(b - a, dtype=t.dtype) if out is None else out
+                                      f"of {self.codec.numel(t)} elements, out of [0, {total})")
+            out = self.codec.empty(b - a, t) if out is None else out
             lo, hi = max(a, pa), min(b, pb)
             if lo < hi:
                 out[lo - a: hi - a] = t[lo - pa: hi - pa]
@@ -138,26 +165,22 @@ def _gaps(spans, a, b):
 
 # ---- save ----
 
-def save(path, model, optimizer=None, process_set=global_process_set, **extra):
-    """Save model (and optimizer) to directory `path`; every rank of the set calls it.
-    extra: picklable values of plain types (numbers, strings, lists, dicts, tensors),
-    returned by load(). Returns the generation number written."""
-    import ringsync as rs
-    comm = rs._comm(process_set)
+def save_generation(path, parts: Parts, comm, process_set, write=None):
+    """Write this rank's parts as the next generation in `path`, and (rank 0) name it in
+    checkpoint.json once every rank's part is on disk; every rank of the set calls it.
+    comm: the set's communicator (its rank, size and barrier); process_set: what the
+    object exchanges run over. write: how a file is written (write_atomically). Returns
+    the generation number written; CheckpointError on every rank if a rank could not
+    write its part."""
+    write = write_atomically if write is None else write
     rank, size = comm.rank(), comm.size()
-    parts = Parts()
-    _save_module(model, parts, rank)
-    if optimizer is not None:
-        _save_optimizer(optimizer, parts, rank)
-    if rank == 0:
-        parts.whole["extra"] = extra
-    generation = rs.allgather_object(_next_generation(path) if rank == 0 else None,
-                                     name="ringsync.checkpoint.generation",
-                                     process_set=process_set)[0]
+    generation = allgather_object(_next_generation(path) if rank == 0 else None,
+                                  name="ringsync.checkpoint.generation",
+                                  process_set=process_set)[0]
     folder = os.path.join(path, f"gen-{generation}")
-    outcome = _write_part(folder, rank, size, parts)
-    outcomes = rs.allgather_object(outcome, name="ringsync.checkpoint.written",
-                                   process_set=process_set)
+    outcome = _write_part(folder, rank, size, parts, write)
+    outcomes = allgather_object(outcome, name="ringsync.checkpoint.written",
+                                process_set=process_set)
     failed = [(r, o) for r, o in enumerate(outcomes) if isinstance(o, str)]
     if failed:
         raise CheckpointError("ringsync.checkpoint.save: " + "; ".join(
@@ -165,9 +188,9 @@ def save(path, model, optimizer=None, process_set=global_process_set, **extra):
     if rank == 0:
         meta = {"format": FORMAT, "generation": generation, "ranks": size,
                 "bytes": outcomes}
-        _write_atomically(os.path.join(path, META), json.dumps(meta).encode())
+        write(os.path.join(path, META), json.dumps(meta).encode())
         _remove_other_generations(path, generation)
-    rs.barrier(process_set)  # (returns once the checkpoint is named, on every rank)
+    comm.barrier()  # (returns once the checkpoint is named, on every rank)
     return generation
 
 
@@ -177,17 +200,12 @@ def _next_generation(path):
     return max(seen, default=0) + 1
 
 
-def _write_part(folder, rank, size, parts):
+def _write_part(folder, rank, size, parts, write):
     """The part's size in bytes, or why it could not be written."""
-    import io
-
-    import torch
     try:
         os.makedirs(folder, exist_ok=True)
-        buffer = io.BytesIO()
-        torch.save(parts.as_dict(), buffer)
-        data = buffer.getvalue()
-        _write_atomically(os.path.join(folder, _part_name(rank, size)), data)
+        data = parts.codec.dumps(parts.as_dict())
+        write(os.path.join(folder, _part_name(rank, size)), data)
         return len(data)
     except Exception as e:  # (disk full, an unpicklable extra: every rank must hear of it)
         return f"{type(e).__name__}: {e}"
@@ -197,7 +215,7 @@ def _part_name(rank, size):
     return f"rank-{rank}-of-{size}.pt"
 
 
-def _write_atomically(path, data):
+def write_atomically(path, data):
     """Write data to a temporary name, fsync it, rename it to path, fsync the folder: path
     then holds either its old content or all of data, whatever happens meanwhile."""
     tmp = f"{path}.tmp-{os.getpid()}"
@@ -222,18 +240,7 @@ def _remove_other_generations(path, keep):
 
 # ---- load ----
 
-def load(path, model, optimizer=None, process_set=global_process_set):
-    """Load the newest complete checkpoint in `path` into model (and optimizer), whatever
-    the number of ranks it was saved on; returns the `extra` values save() was given.
-    Every rank of the set calls it."""
-    reader = open_checkpoint(path)
-    _load_module(model, reader)
-    if optimizer is not None:
-        _load_optimizer(optimizer, reader)
-    return reader.whole("extra")
-
-
-def open_checkpoint(path):
+def open_checkpoint(path, codec: Codec):
     """A Reader over the generation checkpoint.json names (CheckpointError if none)."""
     meta_path = os.path.join(path, META)
     try:
@@ -255,7 +262,7 @@ def open_checkpoint(path):
         if found != expected:
             raise CheckpointError(f"ringsync.checkpoint: {f} has {found} bytes, {meta_path} "
                                   f"says {expected}")
-    return Reader(files)
+    return Reader(files, codec)
 
 
 def _check_meta(meta, where):
@@ -270,56 +277,3 @@ def _check_meta(meta, where):
         raise CheckpointError(f"ringsync.checkpoint: {where} is not a ringsync checkpoint of "
                               f"format {FORMAT}: {str(meta)[:200]}")
     return generation, ranks, sizes
-
-
-# ---- models ----
-
-def _save_module(model, parts, rank):
-    from ringsync.torch.sharded_module import ShardedModule
-    if isinstance(model, ShardedModule):
-        model.save_parts(parts, rank)
-    elif rank == 0:
-        parts.whole["model.state"] = model.state_dict()
-
-
-def _load_module(model, reader):
-    from ringsync.torch.sharded_module import ShardedModule, load_units_into_plain
-    sharded_saved = reader.has_whole("model.layout")
-    if isinstance(model, ShardedModule):
-        if sharded_saved:
-            model.load_parts(reader)
-        else:
-            model.load_full_state(reader.whole("model.state"))
-    elif sharded_saved:
-        load_units_into_plain(model, reader)
-    else:
-        model.load_state_dict(reader.whole("model.state"))
-
-
-# ---- optimizers ----
-
-def _save_optimizer(optimizer, parts, rank):
-    save_parts = getattr(optimizer, "save_parts", None)
-    if save_parts is not None:
-        save_parts(parts, rank)
-    elif _over_slices(optimizer):
-        from ringsync.torch.sharded_module import save_slice_state
-        save_slice_state(optimizer, parts, rank)
-    elif rank == 0:
-        parts.whole["optimizer.state"] = optimizer.state_dict()
-
-
-def _load_optimizer(optimizer, reader):
-    load_parts = getattr(optimizer, "load_parts", None)
-    if load_parts is not None:
-        load_parts(reader)
-    elif _over_slices(optimizer):
-        from ringsync.torch.sharded_module import load_slice_state
-        load_slice_state(optimizer, reader)
-    else:
-        optimizer.load_state_dict(reader.whole("optimizer.state"))
-
-
-def _over_slices(optimizer):
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    return bool(params) and all(hasattr(p, "_ringsync_unit") for p in params)

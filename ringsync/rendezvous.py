@@ -7,8 +7,9 @@ native core's own sockets take over: every rank's address, settings and setup er
 
 Two kinds exist:
 
-- bootstrap.MpiRendezvous: over an mpi4py communicator (what `ringsync.init()` uses). It
-  also offers what elastic recovery needs from MPI (see FaultTolerance below).
+- rendezvous_mpi.MpiRendezvous: over an mpi4py communicator (what `ringsync.init()`
+  uses). It also offers what elastic recovery needs from MPI (see FaultTolerance below).
+  rendezvous_mpi.as_rendezvous picks the one a Communicator builds over.
 - ThreadRendezvous: ranks that are threads of one Python process, for tests. The native
   core has no process-wide state, so several rings can live in one process; each thread
   builds its own Communicator over its own ThreadRendezvous of one ThreadGroup.
@@ -157,17 +158,3 @@ class ThreadRendezvous(Rendezvous):
     def __repr__(self) -> str:
         return f"<ringsync.ThreadRendezvous rank {self.rank} of {self.size}>"
 
-
-def as_rendezvous(comm=None, own_comm: bool = False, rendezvous: Optional[Rendezvous] = None
-                  ) -> Rendezvous:
-    """The rendezvous a Communicator builds over: the one given, or one over the mpi4py
-    communicator given (MPI.COMM_WORLD by default)."""
-    if isinstance(comm, Rendezvous):  # given in the MPI communicator's place
-        comm, rendezvous = (None, comm) if rendezvous is None else (comm, rendezvous)
-    if rendezvous is None:
-        from .bootstrap import MpiRendezvous  # (imports mpi4py only when it is used)
-        return MpiRendezvous.over(comm, own_comm)
-    if comm is not None:
-        raise UsageError("ringsync.Communicator: give an MPI communicator or a rendezvous, "
-                         "not both")
-    return rendezvous

@@ -1,19 +1,23 @@
-"""Gradient averaging for TensorFlow: DistributedGradientTape, PartialDistributedGradientTape
-and the reduction rules that they and the Keras DistributedOptimizer share (Horovod's
-arguments: compression, op, gradient_predivide_factor, groups, sparse_as_dense, process
-sets, local sources and scale_local_gradients)."""
+"""Gradient averaging for TensorFlow: DistributedGradientTape, PartialDistributedGradientTape,
+the Keras DistributedOptimizer (ringsync.tensorflow.keras's) and the reduction rules that
+they share (Horovod's arguments: compression, op, gradient_predivide_factor, groups,
+sparse_as_dense, process sets, local sources and scale_local_gradients)."""
+import itertools
 import zlib
 
+import keras
 import tensorflow as tf
 
-from ringsync import Average, ReduceOp
 from ringsync._adapters import groups_from_num_groups, near_equal_runs
 from ringsync.errors import UsageError
+from ringsync.ops import ReduceOp
 from ringsync.process_sets import ProcessSet
 
 from .compression import Compression
 from .fused import fused_allreduce
 from .mpi_ops import PS, _comm, grouped_allreduce
+
+Average = ReduceOp.AVERAGE
 
 
 def variable_key(variable):
@@ -22,7 +26,6 @@ def variable_key(variable):
 
 
 def is_variable(value) -> bool:
-    import keras
     return isinstance(value, (tf.Variable, keras.Variable))
 
 
@@ -214,15 +217,16 @@ class PartialDistributedGradientTape(DistributedGradientTape):
         super().__init__(gradtape, device_dense, device_sparse, compression, sparse_as_dense,
                          op, gradient_predivide_factor, num_groups, groups, process_set,
                          scale_local_gradients)
-        for layer in _layers(local_layers, type(self).__name__):
+        for layer in keras_layers(local_layers, type(self).__name__):
             for weight in layer.trainable_weights:
                 self.register_local_source(weight)
 
 
-def _layers(local_layers, what):
+def keras_layers(local_layers, what):
+    """local_layers (a Keras layer, a list of them, or None) as a list; UsageError naming
+    `what` for anything else."""
     if local_layers is None:
         return []
-    import keras
     layers = [local_layers] if isinstance(local_layers, keras.layers.Layer) else \
         list(local_layers)
     if not all(isinstance(layer, keras.layers.Layer) for layer in layers):
@@ -240,13 +244,11 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='
     ringsync.tensorflow.keras.DistributedOptimizer, with every argument passed on (also
     op and groups, which Horovod drops there). TensorFlow 1's tf.compat.v1.train
     optimizers are not supported: use a Keras optimizer, or DistributedGradientTape."""
-    import keras
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise UsageError(f"ringsync.tensorflow.DistributedOptimizer wraps a Keras optimizer "
                          f"(keras.optimizers.*), got {type(optimizer).__module__}."
                          f"{type(optimizer).__name__}; for a custom training loop use "
                          f"DistributedGradientTape")
-    from .keras import DistributedOptimizer as KerasDistributedOptimizer
     return KerasDistributedOptimizer(
         optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
         compression=compression, sparse_as_dense=sparse_as_dense,
@@ -254,3 +256,184 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='
         backward_passes_per_step=backward_passes_per_step,
         average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups,
         groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients)
+
+
+_instances = itertools.count()  # wrappers made in this process, in order (the same on all ranks)
+_COMPRESSIONS = {"none": Compression.none, "fp16": Compression.fp16, "bf16": Compression.bf16}
+
+
+def _compression_name(compression) -> str:
+    for key, value in _COMPRESSIONS.items():
+        if compression is value:
+            return key
+    return "custom"  # (a user's own Compressor: not saved with the model)
+
+
+# ---- the Keras optimizer wrapper (ringsync.tensorflow.keras.DistributedOptimizer) ----
+
+@keras.saving.register_keras_serializable(package="ringsync", name="DistributedOptimizer")
+class KerasDistributedOptimizer(keras.optimizers.Optimizer):
+    """ringsync.tensorflow.keras.DistributedOptimizer. Horovod's arguments, each honoured:
+
+    compression: how gradients travel (Compression.none / fp16 / bf16, or your own).
+    sparse_as_dense: IndexedSlices gradients (embeddings) densified before the reduction
+        instead of gathered.
+    gradient_predivide_factor f: op=Average only; gradients are divided by f before the
+        sum and by size/f after it.
+    op: Average (default), Sum or Adasum (of the gradients, as Horovod's tape does).
+    backward_passes_per_step k: gradients summed locally over k calls, then reduced and
+        applied once (the other calls change no weight); average_aggregated_gradients
+        divides that sum by k.
+    num_groups / groups: gradients reduced in groups (an int: that many runs of nearly
+        equal length; lists of variables: those groups); default: all in one group.
+    process_set: the ranks that average (a ProcessSet).
+    scale_local_gradients: gradients of variables registered with register_local_var
+        stay on their rank, divided by the set's size (unless False).
+    device_dense, device_sparse: accepted; tensors are staged through host memory.
+    """
+
+    def __init__(self, optimizer, name=None, device_dense='', device_sparse='',
+                 compression=Compression.none, sparse_as_dense=False,
+                 gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
+                 average_aggregated_gradients=False, num_groups=0, groups=None,
+                 process_set=PS, scale_local_gradients=True):
+        if isinstance(optimizer, dict):  # from_config
+            optimizer = keras.optimizers.deserialize(optimizer)
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise UsageError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer, got "
+                             f"{type(optimizer).__name__}")
+        if isinstance(compression, str):  # from_config
+            compression = _COMPRESSIONS[compression]
+        if isinstance(backward_passes_per_step, bool) or \
+                not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise UsageError(f"DistributedOptimizer: backward_passes_per_step must be an int "
+                             f"of at least 1, got {backward_passes_per_step!r}")
+        if average_aggregated_gradients and ReduceOp(op) == ReduceOp.ADASUM:
+            raise UsageError("DistributedOptimizer: average_aggregated_gradients does not "
+                             "apply to op=Adasum")
+        # The base class needs a learning rate; the wrapped optimizer's is the one used.
+        super().__init__(learning_rate=0.0, name=name or f"Distributed{optimizer.name}")
+        self._inner = optimizer
+        self._reducer = GradientReducer(compression, op, gradient_predivide_factor,
+                                        sparse_as_dense, num_groups, groups, process_set,
+                                        scale_local_gradients, "keras.DistributedOptimizer")
+        self._passes = backward_passes_per_step
+        self._average_aggregated = bool(average_aggregated_gradients)
+        self._accumulators = None
+        # Tensor names must agree across ranks; Keras's auto-names (sgd, sgd_1, ...) count
+        # every optimizer the process made, so count only these wrappers instead.
+        self._reduce_name = f"keras.opt{next(_instances)}.grads"
+
+    @property
+    def _compression(self):
+        return self._reducer.compression
+
+    def register_local_var(self, var):
+        """var's gradient stays on this rank (model parallelism for that variable)."""
+        self._reducer.register_local(var)
+
+    # ---- the wrapped optimizer's state, exposed as ours ----
+
+    @property
+    def inner_optimizer(self):
+        return self._inner
+
+    @property
+    def learning_rate(self):
+        return self._inner.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, value):
+        if hasattr(self, "_inner"):
+            self._inner.learning_rate = value
+        else:  # during the base class's __init__
+            keras.optimizers.Optimizer.learning_rate.fset(self, value)
+
+    @property
+    def iterations(self):
+        return self._inner.iterations
+
+    @property
+    def variables(self):
+        return self._inner.variables
+
+    def build(self, var_list):
+        self._inner.build(var_list)
+        if self._passes > 1 and self._accumulators is None:
+            self._accumulators = [tf.Variable(tf.zeros_like(v), trainable=False,
+                                              name=f"ringsync_accumulator_{i}")
+                                  for i, v in enumerate(var_list)]
+            self._pass_count = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                           name="ringsync_pass_count")
+        self.built = True
+
+    def save_own_variables(self, store):
+        self._inner.save_own_variables(store)
+
+    def load_own_variables(self, store):
+        self._inner.load_own_variables(store)
+
+    def get_config(self):
+        r = self._reducer
+        return {"optimizer": keras.optimizers.serialize(self._inner), "name": self.name,
+                "compression": _compression_name(self._compression),
+                "sparse_as_dense": r.sparse_as_dense, "gradient_predivide_factor": r.predivide,
+                "op": int(r.op), "backward_passes_per_step": self._passes,
+                "average_aggregated_gradients": self._average_aggregated,
+                "groups": r.groups if isinstance(r.groups, int) else None,
+                "scale_local_gradients": r.scale_local}
+        # (process_set, variable groups and local variables are live objects: left out)
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        if config.get("compression") == "custom":
+            config["compression"] = Compression.none
+        return cls(**config)
+
+    # ---- applying ----
+
+    def apply_gradients(self, grads_and_vars):
+        grads, variables = zip(*list(grads_and_vars))
+        return self.apply(list(grads), list(variables))
+
+    def apply(self, grads, trainable_variables=None):
+        variables = list(trainable_variables) if trainable_variables is not None else None
+        if not self._inner.built:
+            self.build(variables)
+        if self._passes == 1:
+            return self._inner.apply(self._reduce(list(grads), variables), variables)
+        return self._accumulate_then_apply(list(grads), variables)
+
+    def _reduce(self, grads, variables):
+        return self._reducer.reduce(grads, variables, self._reduce_name)
+
+    def _accumulate_then_apply(self, grads, variables):
+        """Sum gradients locally for backward_passes_per_step calls, then reduce (the sum,
+        or its mean with average_aggregated_gradients) and apply once; the other calls
+        change no weight."""
+        if self._accumulators is None:
+            self.build(variables)
+        for acc, g in zip(self._accumulators, grads):
+            if g is not None:
+                acc.assign_add(tf.convert_to_tensor(g))
+        self._pass_count.assign_add(1)
+
+        def reduce_and_apply():
+            summed = [tf.identity(a) for a in self._accumulators]
+            if self._average_aggregated:
+                summed = [s / tf.cast(self._passes, s.dtype) for s in summed]
+            self._inner.apply(self._reduce(summed, variables), variables)
+            for acc in self._accumulators:
+                acc.assign(tf.zeros_like(acc))
+            return tf.constant(True)
+
+        return tf.cond(self._pass_count % self._passes == 0, reduce_and_apply,
+                       lambda: tf.constant(False))
+
+
+# Its public name and home, where Keras's saved configs and pickle look it up (the class
+# is defined here so that DistributedOptimizer above reaches it without importing
+# ringsync.tensorflow.keras, which imports this module).
+KerasDistributedOptimizer.__module__ = "ringsync.tensorflow.keras"
+KerasDistributedOptimizer.__name__ = KerasDistributedOptimizer.__qualname__ = "DistributedOptimizer"

@@ -28,23 +28,25 @@ offload=True keeps the master pieces, their gradients and the optimizer state in
 separate host (CPU) buffer, pinned when CUDA is there, and steps there.
 """
 import contextlib
-import copy
 import itertools
 import weakref
 
 import torch
 
-from ringsync import Average
 from ringsync._adapters import InstanceNumbers
 from ringsync._core import even_split
 from ringsync.errors import UsageError
 from ringsync.objects import allgather_object
+from ringsync.ops import ReduceOp
 from ringsync.process_sets import global_process_set
 
 from . import mpi_ops
+from ._sharded_state import ShardedState, dtype_name, held_bytes, make_inner, make_shards, \
+    master_dtype
+from .checkpoint import load_slice_state, save_slice_state
 
+Average = ReduceOp.AVERAGE
 _instances = InstanceNumbers()  # collective names of each optimizer
-_WIDENED = (torch.float16, torch.bfloat16)  # their master copies are float32
 
 
 class _Run:
@@ -85,49 +87,6 @@ def _cut(offsets, cap):
     return buckets + [(first, len(offsets) - 1)] if len(offsets) > 1 else buckets
 
 
-
-class _Shard:
-    """This rank's part of one param group's parameters of one dtype in one bucket: where
-    the group occupies [gstart, gstop) of run `run` and this bucket's part of it is
-    [start, stop), the elements `ranges` of that (the rank's piece of the bucket,
-    clipped), which start at element `at` of the rank's pieces. (One master tensor per
-    bucket keeps the optimizer's temporaries, one master-sized tensor at a time, small.)"""
-
-    def __init__(self, group, run, span, group_span, rank):
-        self.group, self.run = group, run
-        (self.start, self.stop), (self.gstart, self.gstop) = span, group_span
-        self.bucket = next(k for k, (a, b) in enumerate(run.spans) if a <= self.start < b)
-        self.ranges = self.ranges_of(rank)
-        self.numel = sum(b - a for a, b in self.ranges)
-        self.at = run.owned_before(rank, self.start)
-        self.master = None  # the torch.nn.Parameter the inner optimizer steps
-
-    def params(self):
-        """The group's parameters of this dtype in this bucket (not only this rank's)."""
-        return [p for p, off in zip(self.run.params, self.run.offsets)
-                if self.start <= off < self.stop]
-
-    def ranges_of(self, rank):
-        clipped = [(max(a, self.start), min(b, self.stop)) for a, b in self.run.pieces(rank)]
-        return [(a, b) for a, b in clipped if a < b]
-
-    def by_range(self, values, rank=None, base=None):
-        """(a, b, the part of `values` holding elements [a, b)) for each of rank's ranges
-        (this rank's by default), where `values` holds the rank's elements end to end and
-        a, b count from `base` (the group's start by default)."""
-        at, base = 0, self.gstart if base is None else base
-        for a, b in self.ranges if rank is None else self.ranges_of(rank):
-            yield a - base, b - base, values[at: at + b - a]
-            at += b - a
-
-    def read(self, reader, key, like):
-        """This rank's elements of checkpoint entry `key` (of the whole group's size)."""
-        total = self.gstop - self.gstart
-        parts = [reader.range(key, a - self.gstart, b - self.gstart, total)
-                 for a, b in self.ranges]
-        return torch.cat(parts) if parts else like.new_empty(0)
-
-
 class ShardedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer, named_parameters=None, stage=1,
                  process_set=global_process_set, offload=False, bucket_cap_mb=25,
@@ -137,8 +96,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         (which LR schedulers change; step() passes every hyperparameter on) and rebuilt
         as `type(optimizer)(groups, **optimizer.defaults)` over this rank's slices.
         named_parameters: names for messages. stage: 1 (optimizer state sharded), 2
-        (gradients too) or 3 (the optimizer is over ShardedModule.parameters()). process_set: the ranks that share the work (a ProcessSet or
-        Communicator). offload: master slices and optimizer state in host memory.
+        (gradients too) or 3 (the optimizer is over ShardedModule.parameters()).
+        process_set: the ranks that share the work (a ProcessSet or Communicator).
+        offload: master slices and optimizer state in host memory.
         bucket_cap_mb: the most megabytes (2**20 bytes) of gradients reduced together (as
         DistributedDataParallel's): a bucket's reduction starts during backward, as soon
         as its last gradient is ready. backward_passes_per_step: gradients accumulate
@@ -146,21 +106,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Parameters with requires_grad=False are not sharded and never updated."""
         # No super().__init__(), as DistributedOptimizer: the param_groups are the wrapped
         # optimizer's own (see the properties below).
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise UsageError(f"ShardedOptimizer wraps a torch.optim.Optimizer, got "
-                             f"{type(optimizer).__name__}")
-        if isinstance(stage, bool) or stage not in (1, 2, 3):
-            raise UsageError(f"ShardedOptimizer: stage must be 1, 2 or 3, got {stage!r}")
-        if not isinstance(offload, bool):
-            raise UsageError(f"ShardedOptimizer: offload must be True or False, got {offload!r}")
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
-                or not bucket_cap_mb > 0:
-            raise UsageError(f"ShardedOptimizer: bucket_cap_mb must be a positive number, got "
-                             f"{bucket_cap_mb!r}")
-        if isinstance(backward_passes_per_step, bool) or \
-                not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
-            raise UsageError(f"ShardedOptimizer: backward_passes_per_step must be an int of at "
-                             f"least 1, got {backward_passes_per_step!r}")
+        _check_arguments(optimizer, stage, offload, bucket_cap_mb, backward_passes_per_step)
         self._passes_per_step = backward_passes_per_step
         self._optimizer, self._stage, self._offload = optimizer, stage, offload
         self._process_set = process_set
@@ -177,17 +123,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._inflight = {}  # (dtype, bucket) -> [handle, flat gradients, result]
         if stage == 3:  # the ShardedModule's slices: stepped as they are
             self._runs, self._shards, self._inner = {}, [], optimizer
+            self._states = ShardedState(optimizer, optimizer, [], self._all)
             return
-        self._runs = {}  # dtype -> _Run, in order of first appearance
-        trainable = [p for p in self._all if p.requires_grad]
-        for p in trainable:
-            self._runs.setdefault(p.dtype, [])
-        cap_bytes = int(bucket_cap_mb * (1 << 20))
-        self._runs = {d: _Run(d, [p for p in trainable if p.dtype is d], self._size,
-                              max(1, cap_bytes // torch.empty(0, dtype=d).element_size()))
-                      for d in self._runs}
-        self._shards = self._make_shards(optimizer.param_groups)
-        self._inner = self._make_inner(optimizer)
+        # dtype -> _Run, in order of first appearance
+        self._runs = _make_runs([p for p in self._all if p.requires_grad], self._size,
+                                bucket_cap_mb)
+        host = torch.device("cpu") if offload else self._device
+        pin = offload and host != self._device and torch.cuda.is_available()
+        self._shards = make_shards(optimizer.param_groups, self._runs, self._rank, host, pin)
+        self._inner = make_inner(optimizer, self._shards)
+        self._states = ShardedState(optimizer, self._inner, self._shards, self._all)
         self._bucket_of = {p: (run, k) for run in self._runs.values()
                            for k in range(len(run.buckets)) for p, _ in run.bucket_params(k)}
         self._hooks = [p.register_post_accumulate_grad_hook(_weak_hook(self))
@@ -195,45 +140,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if optimizer.state:  # a stepped optimizer: keep what it learnt
             self.load_state_dict(optimizer.state_dict())
             optimizer.state.clear()
-
-    # ---- construction ----
-
-    def _make_shards(self, groups):
-        shards, position = [], {d: 0 for d in self._runs}
-        host = torch.device("cpu") if self._offload else self._device
-        for gi, group in enumerate(groups):
-            for dtype, run in self._runs.items():
-                members = [p for p in group["params"] if p.requires_grad and p.dtype is dtype]
-                if not members:
-                    continue
-                start = position[dtype]
-                position[dtype] = stop = start + sum(p.numel() for p in members)
-                for a, b in run.spans:
-                    if max(a, start) < min(b, stop):
-                        span = (max(a, start), min(b, stop))
-                        shards.append(self._make_shard(gi, run, span, (start, stop), host))
-        return shards
-
-    def _make_shard(self, group, run, span, group_span, host):
-        shard = _Shard(group, run, span, group_span, self._rank)
-        values = _flat_ranges([p.detach() for p in shard.params()], shard.ranges, shard.start)
-        master = values.to(device=host, dtype=_master_dtype(run.dtype), copy=True)
-        if self._offload and host != self._device and torch.cuda.is_available():
-            master = master.pin_memory()
-        shard.master = torch.nn.Parameter(master)
-        return shard
-
-    def _make_inner(self, optimizer):
-        groups = [dict(_hyperparameters(g), params=[s.master for s in self._shards
-                                                    if s.group == gi])
-                  for gi, g in enumerate(optimizer.param_groups)]
-        cls = type(optimizer)
-        try:
-            return cls(groups, **optimizer.defaults)
-        except (TypeError, ValueError) as e:
-            raise UsageError(f"ShardedOptimizer rebuilds the optimizer over this rank's shard "
-                             f"as {cls.__name__}(param_groups, **defaults), which failed: {e}") \
-                from e
 
     # ---- the wrapped optimizer's face ----
 
@@ -264,8 +170,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return f"ShardedOptimizer(stage={self._stage}, offload={self._offload}, {self._inner!r})"
 
     def _pass_hyperparameters(self):
-        for mine, inner in zip(self._optimizer.param_groups, self._inner.param_groups):
-            inner.update(_hyperparameters(mine))
+        self._states.pass_hyperparameters()
 
     def _check_set(self):
         comm = mpi_ops._comm(self._process_set)
@@ -300,7 +205,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         p.grad is dropped). Parameters without a gradient count as zeros."""
         members = run.bucket_params(k)
         flat = _flat_gradients(members, run.spans[k][0])
-        name = f"{self._prefix}.grads.{_dtype_name(run.dtype)}.{k}"
+        name = f"{self._prefix}.grads.{dtype_name(run.dtype)}.{k}"
         if self._stage == 1:
             handle = mpi_ops.allreduce_async_(flat, op=Average, name=name,
                                               process_set=self._process_set)
@@ -403,7 +308,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 piece = self._mine(run, at, at + n).to(device=self._device, dtype=run.dtype)
                 at += n
                 pending.append((run, k, mpi_ops.allgather_async(
-                    piece, name=f"{self._prefix}.params.{_dtype_name(run.dtype)}.{k}",
+                    piece, name=f"{self._prefix}.params.{dtype_name(run.dtype)}.{k}",
                     process_set=self._process_set)))
                 if len(pending) == 2:
                     self._copy_into_parameters(*pending.pop(0))
@@ -414,7 +319,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Elements [lo, hi) of this rank's pieces of run, from the shards' master copies."""
         parts = [s.master.detach()[max(lo, s.at) - s.at: min(hi, s.at + s.numel) - s.at]
                  for s in self._shards if s.run is run and s.at < hi and lo < s.at + s.numel]
-        return torch.cat(parts) if parts else torch.empty(0, dtype=_master_dtype(run.dtype),
+        return torch.cat(parts) if parts else torch.empty(0, dtype=master_dtype(run.dtype),
                                                           device=self._device)
 
     def _copy_into_parameters(self, run, k, handle):
@@ -445,8 +350,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             [self._inner.state, self._optimizer.state]
         state = [v for st in itertools.chain(*(s.values() for s in states))
                  for v in st.values() if torch.is_tensor(v)]
-        return {"parameters": _held(self._all + [s.master for s in self._shards]),
-                "gradients": _held(grads), "optimizer_state": _held(state)}
+        return {"parameters": held_bytes(self._all + [s.master for s in self._shards]),
+                "gradients": held_bytes(grads), "optimizer_state": held_bytes(state)}
 
     # ---- state ----
 
@@ -475,9 +380,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         meta = state_dict.get("ringsync_sharded")
         if meta is None and self._stage == 3:
             raise UsageError("ShardedOptimizer(stage=3).load_state_dict takes its own "
-                             "state_dict(); use ringsync.checkpoint to change the rank count")
+                             "state_dict(); use ringsync.torch.checkpoint to change the rank count")
         if meta is None:
-            self._inner.load_state_dict(self._slice_full(state_dict))
+            self._states.load_full(state_dict)
         else:
             mine = {"rank": self._rank, "size": self._size, "layout": self._layout()}
             theirs = {k: meta.get(k) for k in mine}
@@ -486,108 +391,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                  f"{theirs}, this optimizer is {mine}; load a consolidated "
                                  "state dict to change the number of ranks")
             self._inner.load_state_dict(state_dict["shard"])
-        for mine_group, inner in zip(self._optimizer.param_groups, self._inner.param_groups):
-            mine_group.update(_hyperparameters(inner))
+        self._states.take_hyperparameters()
 
-    def _slice_full(self, full):
-        groups = full["param_groups"]
-        if len(groups) != len(self._optimizer.param_groups) or \
-                [len(g["params"]) for g in groups] != \
-                [len(g["params"]) for g in self._optimizer.param_groups]:
-            raise UsageError("ShardedOptimizer.load_state_dict: the state dict's param groups "
-                             "do not match the optimizer's (group count or sizes differ)")
-        ids = [i for g in groups for i in g["params"]]
-        state_of = {p: full["state"].get(i) for p, i in zip(self._all, ids)}
-        state = {}
-        for si, s in enumerate(self._shards):
-            params = s.params()
-            stated = [p for p in params if state_of.get(p) is not None]
-            if not stated:
-                continue
-            entry = {}
-            for key in dict.fromkeys(k for p in stated for k in state_of[p]):
-                values = [(state_of.get(p) or {}).get(key) for p in params]
-                like = next(v for v in values if v is not None)
-                if _elementwise(key, values, params):
-                    whole = [v if v is not None else torch.zeros(p.shape, dtype=like.dtype)
-                             for v, p in zip(values, params)]
-                    entry[key] = _flat_ranges(whole, s.ranges, s.start) \
-                        .to(s.master.device).clone()
-                else:  # (one per tensor, such as Adam's step: the first parameter's)
-                    entry[key] = like.clone() if torch.is_tensor(like) else copy.deepcopy(like)
-            state[si] = entry
-        order = {s.master: i for i, s in enumerate(self._shards)}
-        return {"state": state,
-                "param_groups": [dict(_hyperparameters(g),
-                                      params=[order[m] for m in inner["params"]])
-                                 for g, inner in zip(groups, self._inner.param_groups)]}
-
-    # ---- checkpoints (ringsync.checkpoint) ----
+    # ---- checkpoints (ringsync.torch.checkpoint) ----
 
     def save_parts(self, parts, rank):
         """This rank's slices of the master copies and of the per-element state into a
         checkpoint, per-tensor state whole; rank 0 adds the layout and hyperparameters."""
-        from .sharded_module import save_slice_state
         if self._stage == 3:
             return save_slice_state(self._optimizer, parts, rank)
-        self._pass_hyperparameters()
-        kinds = {}
-        for s in self._shards:
-            key, total = _shard_key(s), s.gstop - s.gstart
-            for a, _, piece in s.by_range(s.master):
-                parts.add_piece(f"{key}.master", piece, a, total)
-            for k, v in self._inner.state.get(s.master, {}).items():
-                elementwise = torch.is_tensor(v) and v.shape == s.master.shape
-                if elementwise:
-                    for a, _, piece in s.by_range(v):
-                        parts.add_piece(f"{key}.{k}", piece, a, total)
-                else:
-                    parts.whole[f"{key}.{k}"] = v.detach().cpu().clone() \
-                        if torch.is_tensor(v) else v
-                kinds.setdefault(key, {})[k] = "piece" if elementwise else "whole"
-        parts.whole["optimizer.kinds"] = kinds
-        if rank == 0:
-            parts.whole["optimizer.layout"] = self._shard_layout()
-            parts.whole["optimizer.groups"] = [_hyperparameters(g)
-                                               for g in self._optimizer.param_groups]
-
-    def _shard_layout(self):
-        """Each param group's size per dtype (whatever the buckets)."""
-        return [list(k) for k in dict.fromkeys((_shard_key(s), s.gstop - s.gstart)
-                                              for s in self._shards)]
+        self._states.save_parts(parts, rank)
 
     def load_parts(self, reader):
         """This rank's slices from a checkpoint saved on any number of ranks (the model's
-        parameters are loaded separately, by ringsync.checkpoint.load)."""
-        from ringsync.checkpoint import CheckpointError
-
-        from .sharded_module import load_slice_state
+        parameters are loaded separately, by ringsync.torch.checkpoint.load)."""
         if self._stage == 3:
             return load_slice_state(self._optimizer, reader)
-        saved = reader.whole("optimizer.layout")
-        if saved != self._shard_layout():
-            raise CheckpointError(f"ringsync.checkpoint: the optimizer's layout differs from "
-                                  f"the saved one (saved {saved}, here {self._shard_layout()})")
-        kinds, state = reader.whole("optimizer.kinds"), {}
-        for si, s in enumerate(self._shards):
-            key = _shard_key(s)
-            with torch.no_grad():
-                s.master.copy_(s.read(reader, f"{key}.master", s.master))
-            # (per-tensor values cloned: every bucket's shard of a group reads the same one,
-            # and torch's optimizers update such state, Adam's step, in place)
-            entry = {k: s.read(reader, f"{key}.{k}", s.master) if kind == "piece"
-                     else copy.deepcopy(reader.whole(f"{key}.{k}"))
-                     for k, kind in kinds.get(key, {}).items()}
-            if entry:
-                state[si] = entry
-        for mine, hyper in zip(self._optimizer.param_groups, reader.whole("optimizer.groups")):
-            mine.update(hyper)
-        order = {s.master: i for i, s in enumerate(self._shards)}
-        self._inner.load_state_dict({
-            "state": state,
-            "param_groups": [dict(_hyperparameters(g), params=[order[m] for m in inner["params"]])
-                             for g, inner in zip(self._optimizer.param_groups,
-                                                 self._inner.param_groups)]})
+        self._states.load_parts(reader)
 
     def consolidate_state_dict(self, to=0):
         """The full optimizer state, as the unsharded optimizer's state_dict() would give
@@ -597,11 +417,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._check_set()
         if self._stage == 3:
             raise UsageError("ShardedOptimizer(stage=3).consolidate_state_dict is not "
-                             "supported: save with ringsync.checkpoint.save")
+                             "supported: save with ringsync.torch.checkpoint.save")
         self._pass_hyperparameters()
-        mine = {i: {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in
-                    self._inner.state.get(s.master, {}).items()}
-                for i, s in enumerate(self._shards)}
+        mine = self._states.mine()
         world_rank = mpi_ops._comm(self._process_set).world_rank()
         everyone = allgather_object((world_rank, mine), name=f"{self._prefix}.consolidate",
                                     process_set=self._process_set)
@@ -611,39 +429,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                              f"rank of the process set (its ranks: {members})")
         if world_rank != to:
             return None
-        index = {p: i for i, p in enumerate(self._all)}
-        state = {}
-        for si, s in enumerate(self._shards):
-            parts = [part[si] for _, part in everyone]
-            keys = dict.fromkeys(k for st in parts for k in st)
-            params = s.params()
-            sizes = [sum(b - a for a, b in s.ranges_of(r)) for r in range(len(parts))]
-            for key in keys:
-                pieces = [st.get(key) for st in parts]
-                if all(v is None or torch.is_tensor(v) and v.dim() == 1 and v.numel() == n
-                       for v, n in zip(pieces, sizes)):
-                    like = next(v for v in pieces if v is not None)
-                    flat = like.new_zeros(s.stop - s.start)
-                    for r, v in enumerate(pieces):
-                        for a, b, piece in s.by_range(v, r, s.start) if v is not None else ():
-                            flat[a: b] = piece
-                    off = s.start
-                    for p in params:
-                        state.setdefault(index[p], {})[key] = \
-                            flat[off - s.start: off - s.start + p.numel()].view(p.shape).clone()
-                        off += p.numel()
-                else:
-                    value = next(v for v in pieces if v is not None)
-                    for p in params:
-                        state.setdefault(index[p], {})[key] = \
-                            value.clone() if torch.is_tensor(value) else value
-        groups, start = [], 0
-        for g in self._optimizer.param_groups:
-            groups.append(dict(_hyperparameters(g),
-                               params=list(range(start, start + len(g["params"])))))
-            start += len(g["params"])
-        return {"state": state, "param_groups": groups}
-
+        return self._states.consolidated([part for _, part in everyone])
 
 def _flat_gradients(members, start):
     """The gradients of members ((parameter, offset) pairs, consecutive from `start`) laid
@@ -674,57 +460,32 @@ def _weak_hook(optimizer):
     return hook
 
 
-def _dtype_name(dtype):
-    return str(dtype).replace("torch.", "")
+def _make_runs(trainable, size, bucket_cap_mb):
+    """dtype -> the _Run of the trainable parameters of that dtype (in order of first
+    appearance), cut into buckets of at most bucket_cap_mb megabytes."""
+    cap_bytes = int(bucket_cap_mb * (1 << 20))
+    dtypes = dict.fromkeys(p.dtype for p in trainable)
+    return {d: _Run(d, [p for p in trainable if p.dtype is d], size,
+                    max(1, cap_bytes // torch.empty(0, dtype=d).element_size()))
+            for d in dtypes}
 
 
-def _shard_key(shard):
-    return f"optimizer.g{shard.group}.{_dtype_name(shard.run.dtype)}"
-
-
-def _flat_ranges(tensors, ranges, base):
-    """Elements [a - base, b - base) of `tensors` laid end to end, for each (a, b)."""
-    pieces = [_flat(tensors, a - base, b - base) for a, b in ranges]
-    return torch.cat(pieces) if pieces else tensors[0].new_empty(0)
-
-
-def _flat(tensors, a, b):
-    """Elements [a, b) of `tensors` laid end to end, without building the whole."""
-    pieces, off = [], 0
-    for t in tensors:
-        lo, hi = max(a, off), min(b, off + t.numel())
-        if lo < hi:
-            pieces.append(t.reshape(-1)[lo - off: hi - off])
-        off += t.numel()
-    return torch.cat(pieces) if pieces else tensors[0].new_empty(0)
-
-
-def _hyperparameters(group):
-    return {k: v for k, v in group.items() if k != "params"}
-
-
-def _master_dtype(dtype):
-    return torch.float32 if dtype in _WIDENED else dtype
-
-
-def _held(tensors):
-    """Bytes of the distinct storages under `tensors` (None entries skipped)."""
-    storages = {}
-    for t in tensors:
-        if t is not None:
-            s = t.untyped_storage()
-            storages[(s.data_ptr(), str(s.device), s.nbytes())] = s.nbytes()
-    return sum(storages.values())
-
-
-def _elementwise(key, values, params):
-    """Whether an optimizer state entry holds one value per parameter element (momentum,
-    exp_avg) rather than one per tensor (Adam's step): shaped like every parameter that
-    has it, and not a 'step' of scalar parameters."""
-    if not all(v is None or torch.is_tensor(v) and v.shape == p.shape
-               for v, p in zip(values, params)):
-        return False
-    return key != "step" or any(p.dim() > 0 for v, p in zip(values, params) if v is not None)
+def _check_arguments(optimizer, stage, offload, bucket_cap_mb, backward_passes_per_step):
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UsageError(f"ShardedOptimizer wraps a torch.optim.Optimizer, got "
+                         f"{type(optimizer).__name__}")
+    if isinstance(stage, bool) or stage not in (1, 2, 3):
+        raise UsageError(f"ShardedOptimizer: stage must be 1, 2 or 3, got {stage!r}")
+    if not isinstance(offload, bool):
+        raise UsageError(f"ShardedOptimizer: offload must be True or False, got {offload!r}")
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
+            or not bucket_cap_mb > 0:
+        raise UsageError(f"ShardedOptimizer: bucket_cap_mb must be a positive number, got "
+                         f"{bucket_cap_mb!r}")
+    if isinstance(backward_passes_per_step, bool) or \
+            not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        raise UsageError(f"ShardedOptimizer: backward_passes_per_step must be an int of at "
+                         f"least 1, got {backward_passes_per_step!r}")
 
 
 def _names(params, named_parameters):

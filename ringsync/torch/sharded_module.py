@@ -1,9 +1,9 @@
 """ShardedModule: ZeRO stage 3 for PyTorch — parameters stored sharded over a process set.
 
 Each submodule that owns parameters directly (a Linear, a custom module with its own
-weights) has them laid end to end in one flat run per dtype and trainability (a "unit"); every rank of the set keeps one
-contiguous slice of it (split as even_split splits), as a torch.nn.Parameter of the
-ShardedModule. The submodule's own attributes (weight, bias) are removed and, only while
+weights) has them laid end to end in one flat run per dtype and trainability (a "unit");
+every rank of the set keeps one contiguous slice of it (split as even_split splits), as a
+torch.nn.Parameter of the ShardedModule. The submodule's own attributes (weight, bias) are removed and, only while
 it runs, set to views of the gathered run:
 
 - forward: a pre-hook allgathers the unit's run (in the compute dtype), the forward runs on
@@ -28,22 +28,22 @@ the collective). FSDP asks the same. Not supported: a parameter shared
 by two modules, double backward (create_graph=True) through a unit's saved weights.
 """
 import contextlib
-import copy
 import itertools
 import weakref
 
 import torch
 
-from ringsync import Average
 from ringsync._adapters import InstanceNumbers
 from ringsync._core import even_split
-from ringsync.errors import UsageError
+from ringsync.errors import CheckpointError, UsageError
 from ringsync.objects import allgather_object
+from ringsync.ops import ReduceOp
 from ringsync.process_sets import global_process_set
 
 from . import mpi_ops
-from .sharded import _held
+from ._sharded_state import held_bytes
 
+Average = ReduceOp.AVERAGE
 _instances = InstanceNumbers()  # collective names of each module
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -259,8 +259,8 @@ class ShardedModule(torch.nn.Module):
         "gradients" (the slices' gradients), "optimizer_state" (0: the optimizer's is
         counted by ShardedOptimizer.memory())."""
         gathered = [t for u in self._units for t in u.alive]
-        return {"parameters": _held([u.shard for u in self._units] + gathered),
-                "gradients": _held([u.shard.grad for u in self._units]),
+        return {"parameters": held_bytes([u.shard for u in self._units] + gathered),
+                "gradients": held_bytes([u.shard.grad for u in self._units]),
                 "optimizer_state": 0}
 
     def layout(self):
@@ -273,7 +273,7 @@ class ShardedModule(torch.nn.Module):
         """(module path, this rank's slice Parameter, [lo, hi)) per unit."""
         return [(u.path, u.shard, (u.lo, u.hi)) for u in self._units]
 
-    # ---- checkpoints (ringsync.checkpoint) ----
+    # ---- checkpoints (ringsync.torch.checkpoint) ----
 
     def save_parts(self, parts, rank):
         """This rank's slices into a checkpoint; rank 0 adds the layout and the buffers."""
@@ -287,7 +287,6 @@ class ShardedModule(torch.nn.Module):
     def load_parts(self, reader):
         """This rank's slices (and the buffers) from a ShardedModule checkpoint saved on
         any number of ranks."""
-        from ringsync.checkpoint import CheckpointError
         saved, mine = reader.whole("model.layout"), [_structure(e) for e in self.layout()]
         if saved != mine:
             diff = next((a, b) for a, b in itertools.zip_longest(saved, mine) if a != b)
@@ -296,7 +295,7 @@ class ShardedModule(torch.nn.Module):
         with torch.no_grad():
             for u in self._units:
                 u.shard.copy_(reader.range(f"model.{u.key}", u.lo, u.hi, u.numel))
-        _load_buffers(self.module, reader.whole("model.buffers"))
+        load_buffers(self.module, reader.whole("model.buffers"))
 
     def load_full_state(self, state):
         """This rank's slices from a whole module's state_dict (a plain checkpoint)."""
@@ -305,12 +304,11 @@ class ShardedModule(torch.nn.Module):
                 names = [f"{u.path}.{n}" if u.path else n for n in u.names]
                 missing = [n for n in names if n not in state]
                 if missing:
-                    from ringsync.checkpoint import CheckpointError
                     raise CheckpointError(f"ringsync.checkpoint: the saved model has no "
                                           f"{missing[0]!r}")
                 flat = torch.cat([state[n].reshape(-1) for n in names])
                 u.shard.copy_(flat[u.lo: u.hi])
-        _load_buffers(self.module, {n: state[n] for n, _ in self.module.named_buffers()
+        load_buffers(self.module, {n: state[n] for n, _ in self.module.named_buffers()
                                     if n in state})
 
 
@@ -319,89 +317,14 @@ def _structure(entry):
     return {k: v for k, v in entry.items() if k != "starts"}
 
 
-def _load_buffers(module, saved):
+def load_buffers(module, saved):
+    """A checkpoint's buffers into module's (CheckpointError naming one it lacks)."""
     with torch.no_grad():
         for name, buffer in module.named_buffers():
             if name not in saved:
-                from ringsync.checkpoint import CheckpointError
                 raise CheckpointError(f"ringsync.checkpoint: the saved model has no buffer "
                                       f"{name!r}")
             buffer.copy_(saved[name])
-
-
-def load_units_into_plain(model, reader):
-    """A ShardedModule checkpoint into the plain module it wrapped: every run whole."""
-    with torch.no_grad():
-        for entry in reader.whole("model.layout"):
-            sub = model.get_submodule(entry["path"])
-            total = sum(_numel(shape) for shape in entry["shapes"])
-            key = f"model.{entry['path']}:{','.join(entry['names'])}"
-            flat, at = reader.range(key, 0, total, total), 0
-            for name, shape in zip(entry["names"], entry["shapes"]):
-                getattr(sub, name).copy_(flat[at: at + _numel(shape)].view(shape))
-                at += _numel(shape)
-    _load_buffers(model, reader.whole("model.buffers"))
-
-
-def _numel(shape):
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def save_slice_state(optimizer, parts, rank):
-    """The state of an optimizer over ShardedModule slices: per-element entries as slices,
-    per-tensor ones (Adam's step) whole; rank 0 adds the groups' hyperparameters."""
-    kinds = {}
-    for p in _slices(optimizer):
-        u = p._ringsync_unit
-        for k, v in optimizer.state.get(p, {}).items():
-            key = f"optimizer.{u.key}.{k}"
-            if torch.is_tensor(v) and v.shape == p.shape:
-                parts.add_piece(key, v, u.lo, u.numel)
-                kinds.setdefault(u.key, {})[k] = "piece"
-            else:
-                parts.whole[key] = v.detach().cpu().clone() if torch.is_tensor(v) else v
-                kinds.setdefault(u.key, {})[k] = "whole"
-    parts.whole["optimizer.kinds"] = kinds
-    if rank == 0:
-        parts.whole["optimizer.groups"] = _groups(optimizer)
-
-
-def load_slice_state(optimizer, reader):
-    from ringsync.checkpoint import CheckpointError
-    saved, mine = reader.whole("optimizer.groups"), _groups(optimizer)
-    if [g["units"] for g in saved] != [g["units"] for g in mine]:
-        raise CheckpointError("ringsync.checkpoint: the optimizer's param groups differ from "
-                              f"the saved ones: saved {[g['units'] for g in saved]}, here "
-                              f"{[g['units'] for g in mine]}")
-    kinds = reader.whole("optimizer.kinds")
-    state = {}
-    for i, p in enumerate(_slices(optimizer)):
-        u = p._ringsync_unit
-        entry = {}
-        for k, kind in kinds.get(u.key, {}).items():
-            key = f"optimizer.{u.key}.{k}"
-            entry[k] = reader.range(key, u.lo, u.hi, u.numel) if kind == "piece" else \
-                copy.deepcopy(reader.whole(key))  # (never shared: optimizers update in place)
-        if entry:
-            state[i] = entry
-    at, groups = 0, []
-    for g in saved:
-        groups.append(dict(g["hyper"], params=list(range(at, at + len(g["units"])))))
-        at += len(g["units"])
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
-
-
-def _slices(optimizer):
-    return [p for g in optimizer.param_groups for p in g["params"]]
-
-
-def _groups(optimizer):
-    return [{"hyper": {k: v for k, v in g.items() if k != "params"},
-             "units": [p._ringsync_unit.key for p in g["params"]]}
-            for g in optimizer.param_groups]
 
 
 def _check_parameters(path, own, seen):

@@ -10,7 +10,7 @@ import signal
 
 import torch
 
-import ringsync.checkpoint as checkpoint
+import ringsync.torch.checkpoint as checkpoint
 import ringsync.torch as hvd
 
 BATCH = 12
