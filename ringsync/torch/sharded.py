@@ -33,6 +33,7 @@ import weakref
 
 import torch
 
+from ringsync import autotune
 from ringsync._adapters import InstanceNumbers
 from ringsync._core import even_split
 from ringsync.errors import UsageError
@@ -293,7 +294,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._inner.step()
         if self._stage != 3:  # (stage 3: the next forward gathers them)
             self._allgather_parameters()
-        mpi_ops._comm(self._process_set).autotune_step()  # (RINGSYNC_AUTOTUNE=1 only)
+        autotune.step(mpi_ops._comm(self._process_set))  # (RINGSYNC_AUTOTUNE=1 only)
         return loss
 
     def _allgather_parameters(self):
