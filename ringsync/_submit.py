@@ -86,13 +86,18 @@ def make_request(what, kind, name, src, out, *, op=0, prescale=1.0, postscale=1.
                    try_lane=blocking)
 
 
-def fill_struct(s, r: Request):
-    """Fill the native request struct s from r; returns what must stay alive meanwhile."""
+def fill_fields(s, r: Request):
+    """Fill the native request struct s from r, all but the buffers."""
     s.kind, s.dtype, s.op, s.root = r.kind, r.dtype, r.op, r.root
     s.prescale, s.postscale, s.start_now = r.prescale, r.postscale, r.start_now
     s.blocking = r.try_lane  # (a blocking call: matched in call order, see ringsync.h)
     s.ndim = r.src.ndim
     s.shape[0:r.src.ndim] = r.src.shape
+
+
+def fill_struct(s, r: Request):
+    """Fill the native request struct s from r; returns what must stay alive meanwhile."""
+    fill_fields(s, r)
     send = pointer(r.src)
     recv = send if r.out is r.src else (pointer(r.out) if r.out is not None else ffi.NULL)
     s.sendbuf, s.recvbuf = send, recv
@@ -165,8 +170,7 @@ def _allreduce_struct(src, name, what, op, prescale, postscale, blocking):
                            prescale=prescale, postscale=postscale, reduces=True,
                            blocking=blocking)
     struct = ffi.new("rs_request_t *")
-    fill_struct(struct, request)
-    struct.sendbuf = struct.recvbuf = ffi.NULL  # (no pointer into the first caller's array)
+    fill_fields(struct, request)  # (the buffers: at each call)
     return struct
 
 
