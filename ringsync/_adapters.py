@@ -55,7 +55,7 @@ def groups_from_num_groups(num_groups, groups):
 def near_equal_runs(items, count: int):
     """items cut, in order, into `count` runs of nearly equal length (the first ones one
     longer): Horovod's groups=N."""
-    from ._core import even_split
+    from ._requests import even_split
     runs, start = [], 0
     for n in even_split(len(items), count):
         runs.append(list(items[start:start + n]))

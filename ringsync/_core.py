@@ -12,16 +12,18 @@ objects; Submitter (_submit.py) hands requests to the engine and waits for them;
 class turns each collective's arguments into requests.
 """
 import itertools
-import pickle
-from typing import Callable, List, NamedTuple, Optional, Sequence
+from typing import Optional
 
 import numpy as np
 
-from ._arrays import as_input, as_output, describe, wrap_native_result
-from ._native import ffi, lib
-from ._ring import NativeRing
+from ._arrays import describe
 from ._grouped import GroupedCollectives
-from ._submit import Handle, PreparedAllreduce, Request, Submitter, make_request
+from ._native import ffi, lib
+from ._p2p import PointToPoint
+from ._requests import (IN_PLACE, Call, allgather_request, allreduce_buffers, alltoall_request,
+                        broadcast_request, even_split, reducescatter_request)
+from ._ring import NativeRing
+from ._submit import Handle, PreparedAllreduce, Submitter, make_request
 from ._timeline import Timeline
 from .config import Config
 from .engine_settings import Settings
@@ -36,25 +38,9 @@ assert [int(o) for o in ReduceOp] == [lib.RS_OP_SUM, lib.RS_OP_AVERAGE, lib.RS_O
 
 __all__ = ["Communicator", "Handle", "as_op", "even_split"]
 
-IN_PLACE = object()  # _allreduce_args's `out` for an in-place call
 _REFUSABLE = {"allreduce": lib.RS_KIND_ALLREDUCE, "allgather": lib.RS_KIND_ALLGATHER,
               "broadcast": lib.RS_KIND_BROADCAST, "reducescatter": lib.RS_KIND_REDUCESCATTER,
               "alltoall": lib.RS_KIND_ALLTOALL}
-
-
-def even_split(n: int, parts: int) -> Sequence[int]:
-    """n split into `parts` nearly equal parts, the first n % parts one larger."""
-    return [n // parts + (i < n % parts) for i in range(parts)]
-
-
-class _Call(NamedTuple):
-    """A collective's requests and how to finish it, ready for the blocking entry point
-    (Submitter.run) or the asynchronous one (Submitter.start). takes: finish receives the
-    results the native core holds (allgather, alltoall, join)."""
-    requests: List[Request]
-    finish: Callable
-    what: str
-    takes: bool = False
 
 
 class _Names:
@@ -86,7 +72,7 @@ def _topology(field: str):
     return get
 
 
-class Communicator(GroupedCollectives):
+class Communicator(GroupedCollectives, PointToPoint):
     """A ring of ranks, with its engine, built over a rendezvous: an mpi4py
     intracommunicator (MPI.COMM_WORLD by default) or any ringsync.rendezvous.Rendezvous
     (ranks that are threads of one process, for tests). Several can exist in one process.
@@ -216,13 +202,10 @@ class Communicator(GroupedCollectives):
 
     # ---- handles ----
 
-    _call = staticmethod(lambda requests, finish, what, takes=False: _Call(
-        requests, finish, what, takes))  # (for the GroupedCollectives mixin)
-
-    def _start(self, call: "_Call") -> Handle:
+    def _start(self, call: Call) -> Handle:
         return self._submitter.start(self, call.requests, call.finish, call.what, call.takes)
 
-    def _run(self, call: "_Call"):
+    def _run(self, call: Call):
         return self._submitter.run(self, call.requests, call.finish, call.what, call.takes)
 
     def poll(self, handle: Handle) -> bool:
@@ -268,28 +251,16 @@ class Communicator(GroupedCollectives):
     # ---- allreduce ----
 
     def _allreduce_args(self, x, out, op, prescale, postscale, name, what, blocking):
-        """(src, out, name, op code, prescale, postscale, what) of an allreduce, checked.
-        out: None (a new array), IN_PLACE (x itself) or the caller's output array."""
+        """(src, out, name, op code, prescale, postscale, what) of an allreduce, checked
+        (out: see allreduce_buffers)."""
         name = self._name(name, "allreduce")
         try:  # (inline, not _checked: this is every allreduce's path)
-            if out is IN_PLACE:
-                src = out = as_output(x, what, name)
-            else:
-                src = as_input(x, what, name)
-                out = np.empty_like(src) if out is None else self._output_like(src, out, name)
+            src, out = allreduce_buffers(x, out, what, name)
             code, prescale, postscale = as_op(op, what), float(prescale), float(postscale)
         except (TypeError, ValueError) as exc:
             self._submitter.refuse([name], lib.RS_KIND_ALLREDUCE, exc, blocking)
             raise
         return src, out, name, code, prescale, postscale, what
-
-    @staticmethod
-    def _output_like(src, out, name):
-        out = as_output(out, "allreduce", name)
-        if out.dtype != src.dtype or out.shape != src.shape:
-            raise UsageError(f"ringsync.allreduce{describe(name)}: out is {out.dtype} "
-                             f"{out.shape}, the input {src.dtype} {src.shape}")
-        return out
 
     def allreduce(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
                   name=None):
@@ -338,19 +309,11 @@ class Communicator(GroupedCollectives):
 
     # ---- allgather ----
 
-    def _allgather_call(self, x, name, blocking) -> "_Call":
+    def _allgather_call(self, x, name, blocking) -> Call:
         name = self._name(name, "allgather")
         request, finish = self._checked([name], lib.RS_KIND_ALLGATHER, blocking, lambda: (
-            self._allgather_request(x, name, "allgather", blocking)))
-        return _Call([request], lambda results: finish(results[0]), "allgather", takes=True)
-
-    def _allgather_request(self, x, name, what, blocking):
-        """The request, and how to turn its result (data, rows, splits) into an array."""
-        src = as_input(x, what, name)
-        src = src.reshape(1) if src.ndim == 0 else src
-        request = make_request(what, lib.RS_KIND_ALLGATHER, name, src, None, blocking=blocking)
-        return request, lambda result: wrap_native_result(result[0], result[1], src.shape[1:],
-                                                          src.dtype)
+            allgather_request(x, name, "allgather", blocking)))
+        return Call([request], lambda results: finish(results[0]), "allgather", takes=True)
 
     def allgather(self, x, name=None):
         """Every rank's x concatenated along the first dimension (which may differ by rank;
@@ -363,22 +326,20 @@ class Communicator(GroupedCollectives):
 
     # ---- broadcast ----
 
-    def _broadcast_call(self, x, root_rank, name, what, blocking) -> "_Call":
+    def _broadcast_call(self, x, root_rank, name, what, blocking) -> Call:
         name = self._name(name, "broadcast")
         request = self._checked([name], lib.RS_KIND_BROADCAST, blocking, lambda: (
-            self._broadcast_request(x, root_rank, name, what, blocking)))
-        return _Call([request], lambda: request.out, what)
+            broadcast_request(x, self._root(root_rank, name, what), name, what, blocking)))
+        return Call([request], lambda: request.out, what)
 
-    def _broadcast_request(self, x, root_rank, name, what, blocking):
+    def _root(self, root_rank, name, what) -> int:
+        """root_rank (the job's numbering, as Horovod's) as a rank of this ring."""
         root = self._ring_rank.get(root_rank) if isinstance(root_rank, (int, np.integer)) else None
         if root is None:
             raise UsageError(f"ringsync.{what}: root_rank {root_rank!r}{describe(name)} is out "
                              f"of range: not one of this ring's ranks {_span(self.world_ranks)} "
                              f"(rank {self.world_rank()})")
-        out = (as_output(x, what, name) if what == "broadcast_"
-               else np.array(as_input(x, what, name), copy=True))
-        return make_request(what, lib.RS_KIND_BROADCAST, name, out, out, root=root,
-                            blocking=blocking)
+        return root
 
     def broadcast(self, x, root_rank, name=None):
         """A new array holding root_rank's x on every rank."""
@@ -396,22 +357,12 @@ class Communicator(GroupedCollectives):
 
     # ---- reducescatter ----
 
-    def _reducescatter_call(self, x, op, prescale, postscale, name, blocking) -> "_Call":
+    def _reducescatter_call(self, x, op, prescale, postscale, name, blocking) -> Call:
         name = self._name(name, "reducescatter")
         request, out = self._checked([name], lib.RS_KIND_REDUCESCATTER, blocking, lambda: (
-            self._reducescatter_request(x, as_op(op, "reducescatter"), prescale, postscale,
-                                        name, "reducescatter", blocking)))
-        return _Call([request], lambda: out, "reducescatter")
-
-    def _reducescatter_request(self, x, code, prescale, postscale, name, what, blocking):
-        src = as_input(x, what, name)
-        if src.ndim == 0:
-            raise UsageError(f"ringsync.{what}{describe(name)}: needs at least one dimension")
-        rows = even_split(src.shape[0], self._size)[self._rank]
-        out = np.empty((rows,) + src.shape[1:], dtype=src.dtype)
-        return make_request(what, lib.RS_KIND_REDUCESCATTER, name, src, out, op=code,
-                            prescale=prescale, postscale=postscale, reduces=True,
-                            blocking=blocking), out
+            reducescatter_request(x, as_op(op, "reducescatter"), prescale, postscale, name,
+                                  "reducescatter", blocking, self._rank, self._size)))
+        return Call([request], lambda: out, "reducescatter")
 
     def reducescatter(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
                       name=None):
@@ -427,36 +378,11 @@ class Communicator(GroupedCollectives):
 
     # ---- alltoall ----
 
-    def _alltoall_call(self, x, splits, name, blocking) -> "_Call":
+    def _alltoall_call(self, x, splits, name, blocking) -> Call:
         name = self._name(name, "alltoall")
-        request = self._checked([name], lib.RS_KIND_ALLTOALL, blocking, lambda: (
-            self._alltoall_request(x, splits, name, blocking)))
-        src = request.src
-
-        def finish(results):
-            data, received, from_each = results[0]
-            out = wrap_native_result(data, received, src.shape[1:], src.dtype)
-            return out if splits is None else (out, from_each)
-
-        return _Call([request], finish, "alltoall", takes=True)
-
-    def _alltoall_request(self, x, splits, name, blocking):
-        src = as_input(x, "alltoall", name)
-        if src.ndim == 0:
-            raise UsageError(f"ringsync.alltoall{describe(name)}: needs at least one dimension")
-        rows = None
-        if splits is not None:
-            rows = np.ascontiguousarray(np.asarray(splits).reshape(-1), dtype=np.int64)
-            if rows.size != self._size:
-                raise UsageError(f"ringsync.alltoall{describe(name)}: splits {rows.tolist()} on "
-                                 f"rank {self._rank} must have one entry per rank ({self._size})")
-        elif src.shape[0] % self._size:
-            # Horovod's rule (a ValueError there too): no even split, no silent uneven one.
-            raise UsageError(f"ringsync.alltoall{describe(name)}: the first dimension "
-                             f"({src.shape[0]}) on rank {self._rank} is not divisible by the "
-                             f"{self._size} ranks; pass splits")
-        return make_request("alltoall", lib.RS_KIND_ALLTOALL, name, src, None, splits=rows,
-                            blocking=blocking)
+        request, finish = self._checked([name], lib.RS_KIND_ALLTOALL, blocking, lambda: (
+            alltoall_request(x, splits, name, blocking, self._rank, self._size)))
+        return Call([request], lambda results: finish(results[0]), "alltoall", takes=True)
 
     def alltoall(self, x, splits=None, name=None):
         """Send splits[i] rows of x (in rank order) to rank i; returns the rows received,
@@ -467,83 +393,13 @@ class Communicator(GroupedCollectives):
     def alltoall_async(self, x, splits=None, name=None) -> Handle:
         return self._start(self._alltoall_call(x, splits, name, False))
 
-    # ---- Python objects ----
-
-    def broadcast_object(self, obj, root_rank=0, name=None):
-        """root_rank's obj (anything picklable) on every rank; root_rank as broadcast's."""
-        name = name or "broadcast_object"
-        mine = self.world_rank() == root_rank
-        payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if mine else None
-        size = self.broadcast(np.array([0 if payload is None else payload.size], np.int64),
-                              root_rank, name=f"{name}.size")
-        buf = payload if payload is not None else np.empty(int(size[0]), np.uint8)
-        data = self.broadcast(buf, root_rank, name=f"{name}.data")
-        return obj if mine else pickle.loads(data.tobytes())  # the root keeps its own
-
-    def allgather_object(self, obj, name=None):
-        """A list of every rank's obj (picklable), in rank order."""
-        name = name or "allgather_object"
-        payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
-        sizes = self.allgather(np.array([payload.size], np.int64), name=f"{name}.sizes")
-        data = self.allgather(payload, name=f"{name}.data").tobytes()
-        starts = np.concatenate([[0], np.cumsum(sizes)])
-        return [pickle.loads(data[starts[i]:starts[i + 1]]) for i in range(len(sizes))]
-
-    # ---- point-to-point ----
-
-    def _peer(self, peer, what: str, role: str, name) -> int:
-        if isinstance(peer, bool) or not isinstance(peer, (int, np.integer)) or \
-                not 0 <= int(peer) < self._size or int(peer) == self._rank:
-            raise UsageError(f"ringsync.{what}: {role} rank {peer!r}{describe(name)} is out of "
-                             f"range: not one of this ring's ranks 0..{self._size - 1} other "
-                             f"than this rank ({self._rank})")
-        return int(peer)
-
-    def _message_name(self, name, what: str) -> str:
-        """The caller's name, or "" (unnamed: matched by its place in the pair's order)."""
-        return "" if name is None else self._name(name, what)
-
-    def send_async(self, x, dst: int, name=None) -> Handle:
-        """Start sending x to rank dst (of this ring: a process set's own numbering).
-        synchronize returns None once dst has received it: a send completes only when the
-        matching recv_async is posted (synchronous, like MPI_Ssend), so exchanges that
-        send and receive at once use the async calls. Unnamed messages between a pair
-        match in order (the k-th send from A to B meets the k-th unnamed recv on B from
-        A); a named one meets the recv of the same name, in any order. x must not change
-        until then."""
-        dst = self._peer(dst, "send", "destination", name)
-        src = as_input(x, "send", name)
-        request = make_request("send", lib.RS_KIND_SEND, self._message_name(name, "send"), src,
-                               None, root=dst)
-        request.start_now = True  # nothing to fuse with: start the round now
-        return self._start(_Call([request], lambda: None, "send"))
-
-    def recv_async(self, out, src: int, name=None) -> Handle:
-        """Start receiving rank src's message into out (writable, C-contiguous, with the
-        sender's dtype and shape: a mismatch fails both ends, naming both). synchronize
-        returns out."""
-        src_rank = self._peer(src, "recv", "source", name)
-        buf = as_output(out, "recv", name)
-        request = make_request("recv", lib.RS_KIND_RECV, self._message_name(name, "recv"), buf,
-                               buf, root=src_rank)
-        request.start_now = True
-        return self._start(_Call([request], lambda: buf, "recv"))
-
-    def send(self, x, dst: int, name=None) -> None:
-        """Send x to rank dst; returns once dst has received it (see send_async)."""
-        return self.synchronize(self.send_async(x, dst, name))
-
-    def recv(self, out, src: int, name=None):
-        """Receive rank src's message into out; returns out's array."""
-        return self.synchronize(self.recv_async(out, src, name))
-
     # ---- barrier and timeline ----
 
     def barrier(self):
         """Returns once every rank has called barrier()."""
         request = make_request("barrier", lib.RS_KIND_BARRIER, self._name(None, "barrier"),
                                 np.empty(0, np.uint8), None, blocking=True)
-        self._run(_Call([request], lambda: None, "barrier"))
+        self._run(Call([request], lambda: None, "barrier"))
 
     def join(self) -> int:
         """This rank has no more data. Until every rank has joined, it takes part in the
@@ -551,7 +407,7 @@ class Communicator(GroupedCollectives):
         collectives fail while a rank has joined. Returns the last rank to join."""
         request = make_request("join", lib.RS_KIND_JOIN, "ringsync.join",
                                 np.empty(0, np.uint8), None, blocking=True)
-        return self._run(_Call([request], lambda results: self.world_ranks[results[0][1]],
+        return self._run(Call([request], lambda results: self.world_ranks[results[0][1]],
                                "join", takes=True))
 
     def start_timeline(self, path: str, mark_cycles: bool = False):

@@ -3,11 +3,12 @@ together (one round) and fused together, so that a group starts only once every 
 has submitted all of it. Tensor i of a group named `base` travels as `base.i`.
 
 A mixin of Communicator: it builds on the single-tensor requests that class makes
-(_name, _checked, _call, _run, _start, _allgather_request, _reducescatter_request)."""
+(_name, _checked, _run, _start) and on the request builders of _requests.py."""
 import numpy as np
 
 from ._arrays import as_input, as_output
 from ._native import lib
+from ._requests import Call, allgather_request, reducescatter_request
 from ._submit import Handle, make_request
 from .ops import ReduceOp, as_op
 
@@ -36,7 +37,7 @@ class GroupedCollectives:
                                blocking)
             for x, name in zip(tensors, names)])
         outs = [request.out for request in requests]
-        return self._call(requests, lambda: outs, what)
+        return Call(requests, lambda: outs, what)
 
     def grouped_allreduce(self, tensors, op=ReduceOp.AVERAGE, prescale_factor=1.0,
                           postscale_factor=1.0, name=None):
@@ -63,9 +64,9 @@ class GroupedCollectives:
     def _grouped_allgather_call(self, tensors, name, blocking):
         tensors, names = _named(tensors, self._name(name, "grouped_allgather"))
         made = self._checked(names, lib.RS_KIND_ALLGATHER, blocking, lambda: [
-            self._allgather_request(x, name, "grouped_allgather", blocking)
+            allgather_request(x, name, "grouped_allgather", blocking)
             for x, name in zip(tensors, names)])
-        return self._call([request for request, _ in made], lambda results: [
+        return Call([request for request, _ in made], lambda results: [
             finish(result) for (_, finish), result in zip(made, results)], "grouped_allgather",
             takes=True)
 
@@ -79,12 +80,12 @@ class GroupedCollectives:
     def _grouped_reducescatter_call(self, tensors, op, prescale, postscale, name, blocking):
         tensors, names = _named(tensors, self._name(name, "grouped_reducescatter"))
         made = self._checked(names, lib.RS_KIND_REDUCESCATTER, blocking, lambda: [
-            self._reducescatter_request(x, as_op(op, "grouped_reducescatter"), prescale,
-                                        postscale, name, "grouped_reducescatter", blocking)
+            reducescatter_request(x, as_op(op, "grouped_reducescatter"), prescale, postscale,
+                                  name, "grouped_reducescatter", blocking, self._rank,
+                                  self._size)
             for x, name in zip(tensors, names)])
         outs = [out for _, out in made]
-        return self._call([request for request, _ in made], lambda: outs,
-                          "grouped_reducescatter")
+        return Call([request for request, _ in made], lambda: outs, "grouped_reducescatter")
 
     def grouped_reducescatter(self, tensors, op=ReduceOp.AVERAGE, prescale_factor=1.0,
                               postscale_factor=1.0, name=None):

@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 
+from ._pickled import allgather_on
 from .config import log_enabled
 from .errors import UsageError
 
@@ -250,7 +251,7 @@ class Timeline:
     def _gather(self, path: str, mine: bytes) -> None:
         comm = self.comm
         me = (os.path.abspath(path), comm.host_names[comm.rank()], time.time() - time.monotonic())
-        everyone = comm.allgather_object(me, name="ringsync.timeline.ranks")
+        everyone = allgather_on(comm, me, name="ringsync.timeline.ranks")
         joins = everyone[0][0] == me[0]
         send = np.frombuffer(mine if joins else b"", np.uint8)
         splits = [send.size] + [0] * (comm.size() - 1)

@@ -22,6 +22,9 @@ import sys
 import tempfile
 import time
 
+from . import basics, collectives as rs
+from .ops import ReduceOp
+
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
@@ -78,15 +81,13 @@ def _mpi():
 def worker(args):
     import numpy as np
 
-    import ringsync as rs
-
     MPI = _mpi()
     comm = MPI.COMM_WORLD
-    rs.init()
+    basics.init()
     rows = []
     for size in sizes_between(args.min_size, args.max_size):
-        buf = np.full(size // 4, rs.rank() + 1.0, dtype=np.float32)
-        rs_time = _time_calls(lambda: rs.allreduce_(buf, op=rs.Sum), args.seconds, comm)
+        buf = np.full(size // 4, basics.rank() + 1.0, dtype=np.float32)
+        rs_time = _time_calls(lambda: rs.allreduce_(buf, op=ReduceOp.SUM), args.seconds, comm)
         mpi_time = _time_calls(lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM),
                                args.seconds, comm)
         copy = np.empty_like(buf)
@@ -99,12 +100,12 @@ def worker(args):
     # slow the others' small messages (about 4 us per call) while they live.
     gloo = _gloo_allreduce(comm)
     for row in rows if gloo else []:
-        buf = np.full(row["size"] // 4, rs.rank() + 1.0, dtype=np.float32)
+        buf = np.full(row["size"] // 4, basics.rank() + 1.0, dtype=np.float32)
         row["gloo"] = _time_calls(lambda: gloo(buf), args.seconds, comm)
-    if rs.rank() == 0:
+    if basics.rank() == 0:
         with open(args.worker, "w") as f:
-            json.dump({"np": rs.size(), "rows": rows, "engine": engine}, f)
-    rs.shutdown()
+            json.dump({"np": basics.size(), "rows": rows, "engine": engine}, f)
+    basics.shutdown()
     if gloo:
         import torch.distributed as dist
         dist.destroy_process_group()
@@ -142,7 +143,7 @@ def engine_figures(rs, comm, seconds):
     names = [f"bench.small.{i}" for i in range(FUSED_TENSORS)]
 
     def fused():
-        handles = [rs.allreduce_async_(t, op=rs.Sum, name=n) for t, n in zip(smalls, names)]
+        handles = [rs.allreduce_async_(t, op=ReduceOp.SUM, name=n) for t, n in zip(smalls, names)]
         for h in handles:
             rs.synchronize(h)
 
@@ -150,9 +151,9 @@ def engine_figures(rs, comm, seconds):
     tiny = np.ones(1, np.float32)
     return {
         "fused": _time_calls(fused, seconds, comm),
-        "concatenated": _time_calls(lambda: rs.allreduce_(big, op=rs.Sum, name="bench.big"),
+        "concatenated": _time_calls(lambda: rs.allreduce_(big, op=ReduceOp.SUM, name="bench.big"),
                                     seconds, comm),
-        "latency": _time_calls(lambda: rs.allreduce_(tiny, op=rs.Sum, name="bench.tiny"),
+        "latency": _time_calls(lambda: rs.allreduce_(tiny, op=ReduceOp.SUM, name="bench.tiny"),
                                seconds, comm),
         "mpi_latency": _time_calls(lambda: comm.Allreduce(MPI.IN_PLACE, tiny, op=MPI.SUM),
                                    seconds, comm),
@@ -170,10 +171,11 @@ def waiting_cpu(rs, comm) -> dict:
     MPI = _mpi()
     buf = np.ones(1024, np.float32)
     figures = {}
-    for library, call in (("ringsync", lambda: rs.allreduce_(buf, op=rs.Sum, name="bench.wait")),
+    for library, call in (("ringsync",
+                           lambda: rs.allreduce_(buf, op=ReduceOp.SUM, name="bench.wait")),
                           ("mpi", lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM))):
         comm.Barrier()
-        if rs.rank() == rs.size() - 1:
+        if basics.rank() == basics.size() - 1:
             time.sleep(WAIT_SECONDS)
         cpu, wall = time.process_time(), time.perf_counter()
         call()

@@ -30,10 +30,11 @@ import tensorflow as tf
 from ringsync import autotune
 from ringsync.ops import ReduceOp
 from ringsync._adapters import check_differentiable, grad_name
+from ringsync._context import resolve
 from ringsync.errors import MismatchError, RingsyncError
 
 from .compression import Compression
-from .mpi_ops import (PS, _allreduce_sparse, _comm, _grouped_allreduce, _tensorflow_error,
+from .mpi_ops import (PS, _allreduce_sparse, _grouped_allreduce, _tensorflow_error,
                       in_build_order)
 
 _ALIGN = 64  # TensorFlow adopts a returned array without a copy when it is this aligned
@@ -129,7 +130,7 @@ def _buffers_reducer(process_set, name, layout, op, prescale, postscale, names):
 
     def reduce(*buffers):
         try:
-            comm = _comm(process_set)  # (at run time: elastic recovery may replace it)
+            comm = resolve(process_set)  # (at run time: elastic recovery may replace it)
             _check_layout(comm, name, fingerprint, layout)
             reduced = [_reduced(comm, b, op, prescale, postscale, n)
                        for b, n in zip(buffers, names)]

@@ -9,13 +9,14 @@ import keras
 import tensorflow as tf
 
 from ringsync._adapters import groups_from_num_groups, near_equal_runs
+from ringsync._context import resolve
 from ringsync.errors import UsageError
 from ringsync.ops import ReduceOp
 from ringsync.process_sets import ProcessSet
 
 from .compression import Compression
 from .fused import fused_allreduce
-from .mpi_ops import PS, _comm, grouped_allreduce
+from .mpi_ops import PS, grouped_allreduce
 
 Average = ReduceOp.AVERAGE
 
@@ -99,7 +100,7 @@ class GradientReducer:
     def _scaled_local(self, g):
         if not self.scale_local:
             return g
-        size = _comm(self.process_set).size()
+        size = resolve(self.process_set).size()
         if isinstance(g, tf.IndexedSlices):
             return tf.IndexedSlices(g.values / tf.cast(size, g.values.dtype), g.indices,
                                     g.dense_shape)

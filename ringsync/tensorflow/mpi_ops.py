@@ -32,7 +32,7 @@ from ringsync import process_sets
 from ringsync._context import resolve
 from ringsync.ops import ReduceOp
 from ringsync._adapters import check_differentiable, grad_name, resolve_op
-from ringsync._core import even_split
+from ringsync._requests import even_split
 from ringsync.errors import CommunicationError, MismatchError, RingsyncError, UsageError
 from ringsync.process_sets import global_process_set
 
@@ -152,10 +152,6 @@ Sum, Average, Adasum = ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.ADASUM
 Min, Max, Product = ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT
 
 
-def _comm(process_set):
-    return resolve(process_set)
-
-
 def _check_tensors(tensors, what):
     """A clear error for a None among the tensors (a gradient that was not computed),
     which TensorFlow would only call a value it cannot convert. Horovod's tape and
@@ -174,7 +170,7 @@ def _collective(method, blocking, process_set, *args):
     """Run one of the Communicator's collectives to completion: the blocking entry point
     (eager calls, which meet other frameworks' on the same-host lane), or the async one
     waited for (inside a graph, where ops may run in any order)."""
-    comm = _comm(process_set)
+    comm = resolve(process_set)
     if blocking:
         return getattr(comm, method)(*args)
     return comm.synchronize(getattr(comm, method + "_async")(*args))
@@ -220,7 +216,7 @@ def _allreduce_sparse(slices, op, prescale, postscale, name, process_set):
                                         name=None if name is None else f"{name}.slices",
                                         process_set=process_set)
     if ReduceOp(op) == ReduceOp.AVERAGE:
-        values = values / tf.cast(_comm(process_set).size(), values.dtype)
+        values = values / tf.cast(resolve(process_set).size(), values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
@@ -328,7 +324,7 @@ def _my_rows_of_mean(dys, ts, name, process_set):
     dys = [tf.convert_to_tensor(d) for d in dys]
     means = [_allreduce(dys[0], Average, 1.0, 1.0, name, process_set)] if len(dys) == 1 else \
         _grouped_allreduce(dys, Average, 1.0, 1.0, name, process_set)
-    before = tf.reduce_sum(counts[:_comm(process_set).rank()], axis=0)
+    before = tf.reduce_sum(counts[:resolve(process_set).rank()], axis=0)
     return [tf.reshape(m[before[i]:before[i] + rows[i]], tf.shape(t))
             for i, (m, t) in enumerate(zip(means, ts))]
 
@@ -380,7 +376,7 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set
         def grad(dy):
             mean = _allreduce(tf.convert_to_tensor(dy), Average, 1.0, 1.0, grad_name(name),
                               process_set)
-            return mean if _comm(process_set).world_rank() == root_rank else mean * 0
+            return mean if resolve(process_set).world_rank() == root_rank else mean * 0
         return _broadcast(t, root_rank, name, process_set), grad
 
     return fn(tf.convert_to_tensor(tensor))
@@ -428,7 +424,7 @@ def _grouped_reducescatter(tensors, op, prescale, postscale, name, process_set):
             # Horovod's rule: scaled as the forward pass scaled (times the number of
             # ranks for Sum), then allgathered.
             check_differentiable(op, "tensorflow.reducescatter")
-            scale = prescale * postscale * (_comm(process_set).size() if op == Sum else 1)
+            scale = prescale * postscale * (resolve(process_set).size() if op == Sum else 1)
             return grouped_allgather([tf.convert_to_tensor(d) * scale for d in dys],
                                      grad_name(name), process_set=process_set)
         return _scatter(list(ts), op, prescale, postscale, name, process_set), grad
@@ -497,7 +493,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
         splits = tf.cast(tf.convert_to_tensor(splits), tf.int32)
     else:
         rows = tf.shape(x)[0] if x.shape.rank else tf.constant(0)
-        size = _comm(process_set).size()
+        size = resolve(process_set).size()
         splits = tf.py_function(lambda n: _even_splits(int(n), size), [rows], tf.int32) \
             if not tf.executing_eagerly() else tf.constant(_even_splits(int(rows), size))
 
@@ -529,7 +525,7 @@ def barrier(process_set=PS):
     """Returns once every rank of the set has called barrier() (in a graph: an op that
     waits when it runs; run it, as any op of a TF1-style graph)."""
     def wait():
-        _comm(process_set).barrier()
+        resolve(process_set).barrier()
         return 0
     out = _query_op(wait, "ringsync_barrier", collective=True)
     return None if tf.executing_eagerly() else out

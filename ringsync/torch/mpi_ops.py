@@ -15,7 +15,8 @@ import torch
 
 from ringsync._adapters import check_differentiable, grad_name, resolve_op
 from ringsync._context import owner, resolve
-from ringsync._core import Handle, even_split
+from ringsync._core import Handle
+from ringsync._requests import even_split
 from ringsync.errors import RingsyncError, UsageError
 from ringsync.ops import ReduceOp
 from ringsync.process_sets import global_process_set
@@ -26,10 +27,6 @@ from .compression import Compression
 Sum, Average, Adasum = ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.ADASUM
 Min, Max, Product = ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT
 PS = global_process_set  # (short, for the signatures below)
-
-
-def _comm(process_set):
-    return resolve(process_set)
 
 
 def _run_or_start(comm, method: str, blocking: bool, args, finish):
@@ -64,7 +61,7 @@ def _in_place(tensor, what, method, blocking, *args):
 
 def _allreduce_in_place(tensor, average, name, op, prescale, postscale, process_set, blocking):
     op = resolve_op(average, op, "torch.allreduce_async_")
-    return _in_place(tensor, "allreduce_async_", "allreduce_", blocking, _comm(process_set), op,
+    return _in_place(tensor, "allreduce_async_", "allreduce_", blocking, resolve(process_set), op,
                      prescale, postscale, name)
 
 
@@ -81,12 +78,12 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=PS):
-    return _in_place(tensor, "broadcast_async_", "broadcast_", False, _comm(process_set),
+    return _in_place(tensor, "broadcast_async_", "broadcast_", False, resolve(process_set),
                      root_rank, name)
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=PS):
-    return _in_place(tensor, "broadcast_async_", "broadcast_", True, _comm(process_set),
+    return _in_place(tensor, "broadcast_async_", "broadcast_", True, resolve(process_set),
                      root_rank, name)
 
 
@@ -102,7 +99,7 @@ def _grouped_allreduce_in_place(tensors, average, name, op, prescale, postscale,
                     t.copy_(host)
         return list(tensors)
 
-    return _run_or_start(_comm(process_set), "grouped_allreduce_", blocking,
+    return _run_or_start(resolve(process_set), "grouped_allreduce_", blocking,
                          ([a for a, _ in views], op, prescale, postscale, name), copy_back)
 
 
@@ -139,7 +136,7 @@ def _grouped_out_of_place(tensors, what, method, blocking, comm, *args):
 
 
 def _allreduce(tensor, name, op, prescale, postscale, process_set, blocking):
-    return _out_of_place(tensor, "allreduce_async", "allreduce", blocking, _comm(process_set),
+    return _out_of_place(tensor, "allreduce_async", "allreduce", blocking, resolve(process_set),
                          op, prescale, postscale, name)
 
 
@@ -151,7 +148,7 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
 
 def _grouped_allreduce(tensors, name, op, prescale, postscale, process_set, blocking):
     return _grouped_out_of_place(tensors, "grouped_allreduce_async", "grouped_allreduce",
-                                 blocking, _comm(process_set), op, prescale, postscale, name)
+                                 blocking, resolve(process_set), op, prescale, postscale, name)
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -162,7 +159,7 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
 
 
 def _allgather(tensor, name, process_set, blocking):
-    return _out_of_place(tensor, "allgather_async", "allgather", blocking, _comm(process_set),
+    return _out_of_place(tensor, "allgather_async", "allgather", blocking, resolve(process_set),
                          name)
 
 
@@ -172,7 +169,7 @@ def allgather_async(tensor, name=None, process_set=PS):
 
 def _grouped_allgather(tensors, name, process_set, blocking):
     return _grouped_out_of_place(tensors, "grouped_allgather_async", "grouped_allgather",
-                                 blocking, _comm(process_set), name)
+                                 blocking, resolve(process_set), name)
 
 
 def grouped_allgather_async(tensors, name=None, process_set=PS):
@@ -180,7 +177,7 @@ def grouped_allgather_async(tensors, name=None, process_set=PS):
 
 
 def _broadcast(tensor, root_rank, name, process_set, blocking):
-    return _out_of_place(tensor, "broadcast_async", "broadcast", blocking, _comm(process_set),
+    return _out_of_place(tensor, "broadcast_async", "broadcast", blocking, resolve(process_set),
                          root_rank, name)
 
 
@@ -190,7 +187,7 @@ def broadcast_async(tensor, root_rank, name=None, process_set=PS):
 
 def _reducescatter(tensor, name, op, process_set, prescale, postscale, blocking):
     return _out_of_place(tensor, "reducescatter_async", "reducescatter", blocking,
-                         _comm(process_set), op, prescale, postscale, name)
+                         resolve(process_set), op, prescale, postscale, name)
 
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=PS, prescale_factor=1.0,
@@ -201,7 +198,7 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=PS, prescale_
 
 def _grouped_reducescatter(tensors, name, op, process_set, prescale, postscale, blocking):
     return _grouped_out_of_place(tensors, "grouped_reducescatter_async",
-                                 "grouped_reducescatter", blocking, _comm(process_set), op,
+                                 "grouped_reducescatter", blocking, resolve(process_set), op,
                                  prescale, postscale, name)
 
 
@@ -215,7 +212,7 @@ def _alltoall(tensor, splits, name, process_set, blocking):
     """(output, rows received from each rank), as Horovod's alltoall_async gives.
     splits=None: the rows split evenly (a first dimension not divisible by the ranks is
     refused on every rank, a ValueError as in Horovod)."""
-    comm = _comm(process_set)
+    comm = resolve(process_set)
     if isinstance(splits, torch.Tensor):
         splits = splits.detach().cpu().numpy()
     arr, _ = host_view(tensor, "alltoall_async")
@@ -243,7 +240,7 @@ def sparse_allreduce_async(tensor, name, op, process_set=PS):
     if op not in (Average, Sum):
         raise UsageError(f"ringsync.torch.sparse_allreduce_async: tensor '{name}': only Sum "
                          f"and Average are defined for sparse tensors, got {ReduceOp(op).name}")
-    comm = _comm(process_set)
+    comm = resolve(process_set)
     indices = allgather_async(tensor._indices().transpose(0, 1).contiguous(),
                               f"{name}.indices", process_set)
     values = allgather_async(tensor._values().contiguous(), f"{name}.values", process_set)
@@ -269,7 +266,7 @@ def synchronize(handle: Handle):
 
 def barrier(process_set=PS):
     """Returns once every rank of the set has called barrier()."""
-    _comm(process_set).barrier()
+    resolve(process_set).barrier()
 
 
 # ---- point-to-point ----
@@ -280,13 +277,13 @@ def send_async(tensor, dst, name=None, process_set=PS) -> Handle:
     """Start sending tensor to rank dst; synchronize returns None once dst received it.
     Unnamed messages between a pair match in order, named ones by name."""
     arr, _ = host_view(tensor, "send_async")  # (the handle keeps a host copy alive)
-    return _comm(process_set).send_async(arr, dst, name)
+    return resolve(process_set).send_async(arr, dst, name)
 
 
 def recv_async(tensor, src, name=None, process_set=PS) -> Handle:
     """Start receiving rank src's message into tensor (the sender's dtype and shape);
     synchronize returns tensor."""
-    return _in_place(tensor, "recv_async", "recv", False, _comm(process_set), src, name)
+    return _in_place(tensor, "recv_async", "recv", False, resolve(process_set), src, name)
 
 
 def send(tensor, dst, name=None, process_set=PS):
@@ -349,7 +346,7 @@ def join(device=-1) -> int:
     """This rank has run out of data: it takes part in the other ranks' allreduces with
     zeros until every rank has joined; returns the last rank to join. (`device` is
     accepted for Horovod compatibility; tensors are staged through host memory.)"""
-    return _comm(None).join()
+    return resolve(None).join()
 
 
 # ---- differentiable collectives ----
@@ -393,7 +390,7 @@ class _GroupedAllreduce(torch.autograd.Function):
 
 def _my_rows_of_mean(grad, rows, name, process_set):
     """The rows of the ranks-averaged grad that came from this rank's input."""
-    comm = _comm(process_set)
+    comm = resolve(process_set)
     counts = comm.allgather(np.array([rows]), None if name is None else f"{name}.rows")
     start = int(counts[: comm.rank()].sum())
     return grad[start: start + rows]
@@ -449,7 +446,7 @@ class _Broadcast(torch.autograd.Function):
     def backward(ctx, grad):
         mean = synchronize(allreduce_async(grad, name=grad_name(ctx.name), op=Average,
                                            process_set=ctx.process_set))
-        comm = _comm(ctx.process_set)
+        comm = resolve(ctx.process_set)
         mine = comm.world_rank() == ctx.root
         return (mean if mine else torch.zeros_like(mean)), None, None, None
 
@@ -509,7 +506,7 @@ class _GroupedReducescatter(torch.autograd.Function):
 
 
 def _reducescatter_grad_scale(grad, op, prescale, postscale, process_set):
-    factor = prescale * postscale * (_comm(process_set).size() if op == Sum else 1)
+    factor = prescale * postscale * (resolve(process_set).size() if op == Sum else 1)
     return grad * factor if factor != 1 else grad
 
 
@@ -538,7 +535,7 @@ def _checked(what, name, process_set, check, count=None):
         return check()
     except (TypeError, ValueError) as exc:
         try:
-            _comm(process_set).refuse_call(what, name, exc, count)
+            resolve(process_set).refuse_call(what, name, exc, count)
         except RingsyncError:
             pass  # (not initialised: there are no peers to tell)
         raise

@@ -16,6 +16,7 @@ import torch
 from ringsync import autotune
 from ringsync.ops import ReduceOp
 from ringsync.process_sets import ProcessSet, global_process_set
+from ringsync._context import resolve
 from ringsync._adapters import InstanceNumbers, groups_from_num_groups, near_equal_runs
 from ringsync.errors import UsageError
 
@@ -37,6 +38,8 @@ def overlaps(comm) -> bool:
         return agreed
     spare = (os.cpu_count() or 1) / comm.local_size() >= 2
     return not comm.uses_lane or spare
+
+
 _AT_STEP = "reduced at step"  # a pending gradient that synchronize() reduces
 
 
@@ -68,8 +71,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._predivide = gradient_predivide_factor
         self._sparse_as_dense = sparse_as_dense
         self._names = self._parameter_names(named_parameters, _instances.next(process_set))
-        self._flat_name = f"{self._prefix}.gradients"  # (gradients reduced at step)
-        self._flat = {}  # dtype -> the buffer its gradients are reduced in (at step)
+        self._at_step = StepBuffers(f"{self._prefix}.gradients")
         self._group_of = _gradient_groups(list(self._names), num_groups, groups)
         self._pending = {}  # parameter -> (handle, wire tensor, compression context)
         self._ready_in_group = {}  # group -> its parameters whose gradients are ready
@@ -202,38 +204,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         dense CPU gradients, where nothing is to be compressed or grouped."""
         return (self._compression is Compression.none and not self._group_of and
                 grad.device.type == "cpu" and grad.is_contiguous() and
-                not overlaps(mpi_ops._comm(self._process_set)))
-
-    def _reduce_at_step(self, params):
-        """Every deferred gradient in one allreduce per dtype, in parameter order (the same
-        on every rank): copied into one buffer, reduced in place on the calling thread
-        (with every rank on one host: the lane, staged through shared memory, no engine
-        thread), copied back."""
-        by_dtype = {}
-        for p in self._names:  # (parameter order, not the order gradients arrived in)
-            if p in params:
-                by_dtype.setdefault(p.grad.dtype, []).append(p)
-        comm = mpi_ops._comm(self._process_set)
-        for dtype, group in by_dtype.items():
-            flat = self._flat_buffer(dtype, sum(p.grad.numel() for p in group))
-            torch.cat([p.grad.reshape(-1) for p in group], out=flat)
-            comm.allreduce_(to_numpy(flat, "DistributedOptimizer"), op=self._op,
-                            name=f"{self._flat_name}.{str(dtype).replace('torch.', '')}",
-                            **self._scale)
-            at = 0
-            for p in group:
-                n = p.grad.numel()
-                p.grad.copy_(flat[at:at + n].view_as(p.grad))
-                at += n
-
-    def _flat_buffer(self, dtype, numel):
-        """The buffer that dtype's gradients are reduced in, kept from step to step (a new
-        one each step costs its page faults, as much as a copy or more; p.grad never
-        points into it, so nothing the caller holds sees it change)."""
-        flat = self._flat.get(dtype)
-        if flat is None or flat.numel() != numel:
-            flat = self._flat[dtype] = torch.empty(numel, dtype=dtype)
-        return flat
+                not overlaps(resolve(self._process_set)))
 
     def _dense_grad(self, p):
         """p.grad, made to exist (zeros for a parameter that took no part this step on
@@ -269,7 +240,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._compression is not Compression.none or grad.device.type != "cpu" or \
                 not grad.is_contiguous() or grad.numel() == 0:
             return None
-        comm = mpi_ops._comm(self._process_set)
+        comm = resolve(self._process_set)
         cached = self._prepared.get(p)
         if cached is None or cached[0].comm is not comm or cached[1] is not grad.dtype or \
                 cached[2] != grad.shape:
@@ -298,10 +269,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._start_reduction(p)
         pending, self._pending = self._pending, {}
         failure = None
-        deferred = {p for p, (_, _, ctx) in pending.items() if ctx is _AT_STEP}
-        if deferred:
+        deferred = [p for p in self._names if pending.get(p, (0, 0, 0))[2] is _AT_STEP]
+        if deferred:  # (in parameter order, not the order gradients arrived in)
             try:
-                self._reduce_at_step(deferred)
+                self._at_step.reduce(resolve(self._process_set), deferred, self._op,
+                                     self._scale)
             except Exception as e:  # the others still complete before it is raised
                 failure = e
         for p, (handle, wire, ctx) in pending.items():
@@ -384,7 +356,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         result = self._optimizer.step(closure) if closure is not None else self._optimizer.step()
         # (RINGSYNC_AUTOTUNE=1 only; this optimizer's reductions follow `overlaps`)
-        autotune.step(mpi_ops._comm(self._process_set), overlap_matters=not self._group_of)
+        autotune.step(resolve(self._process_set), overlap_matters=not self._group_of)
         return result
 
     def zero_grad(self, set_to_none: bool = True):
@@ -393,6 +365,41 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"optimizer.zero_grad() was called while {len(self._pending)} gradient "
                 "reductions are pending; call step() or synchronize() first")
         self._optimizer.zero_grad(set_to_none=set_to_none)
+
+
+class StepBuffers:
+    """The gradients a DistributedOptimizer reduces at step() (overlap off): one allreduce
+    per dtype, in the order given (parameter order: the same on every rank), copied into
+    one buffer, reduced in place on the calling thread (with every rank on one host: the
+    lane, staged through shared memory, no engine thread), copied back."""
+
+    def __init__(self, name: str):
+        self._name = name
+        self._flat = {}  # dtype -> the buffer its gradients are reduced in
+
+    def reduce(self, comm, params, op, scale) -> None:
+        by_dtype = {}
+        for p in params:
+            by_dtype.setdefault(p.grad.dtype, []).append(p)
+        for dtype, group in by_dtype.items():
+            flat = self._buffer(dtype, sum(p.grad.numel() for p in group))
+            torch.cat([p.grad.reshape(-1) for p in group], out=flat)
+            comm.allreduce_(to_numpy(flat, "DistributedOptimizer"), op=op,
+                            name=f"{self._name}.{str(dtype).replace('torch.', '')}", **scale)
+            at = 0
+            for p in group:
+                n = p.grad.numel()
+                p.grad.copy_(flat[at:at + n].view_as(p.grad))
+                at += n
+
+    def _buffer(self, dtype, numel):
+        """dtype's buffer, kept from step to step (a new one each step costs its page
+        faults, as much as a copy or more; p.grad never points into it, so nothing the
+        caller holds sees it change)."""
+        flat = self._flat.get(dtype)
+        if flat is None or flat.numel() != numel:
+            flat = self._flat[dtype] = torch.empty(numel, dtype=dtype)
+        return flat
 
 
 def outside(process_set) -> bool:

@@ -34,8 +34,9 @@ import weakref
 import torch
 
 from ringsync import autotune
+from ringsync._context import resolve
 from ringsync._adapters import InstanceNumbers
-from ringsync._core import even_split
+from ringsync._requests import even_split
 from ringsync.errors import UsageError
 from ringsync.objects import allgather_object
 from ringsync.ops import ReduceOp
@@ -111,7 +112,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._passes_per_step = backward_passes_per_step
         self._optimizer, self._stage, self._offload = optimizer, stage, offload
         self._process_set = process_set
-        comm = mpi_ops._comm(process_set)
+        comm = resolve(process_set)
         self._rank, self._size = comm.rank(), comm.size()
         self._prefix = f"zero.opt{_instances.next(process_set)}"
         self._all = [p for g in optimizer.param_groups for p in g["params"]]
@@ -174,7 +175,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._states.pass_hyperparameters()
 
     def _check_set(self):
-        comm = mpi_ops._comm(self._process_set)
+        comm = resolve(self._process_set)
         if (comm.rank(), comm.size()) != (self._rank, self._size):
             raise UsageError(
                 f"ShardedOptimizer was sharded over {self._size} ranks (this one rank "
@@ -294,7 +295,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._inner.step()
         if self._stage != 3:  # (stage 3: the next forward gathers them)
             self._allgather_parameters()
-        autotune.step(mpi_ops._comm(self._process_set))  # (RINGSYNC_AUTOTUNE=1 only)
+        autotune.step(resolve(self._process_set))  # (RINGSYNC_AUTOTUNE=1 only)
         return loss
 
     def _allgather_parameters(self):
@@ -421,7 +422,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                              "supported: save with ringsync.torch.checkpoint.save")
         self._pass_hyperparameters()
         mine = self._states.mine()
-        world_rank = mpi_ops._comm(self._process_set).world_rank()
+        world_rank = resolve(self._process_set).world_rank()
         everyone = allgather_object((world_rank, mine), name=f"{self._prefix}.consolidate",
                                     process_set=self._process_set)
         members = [r for r, _ in everyone]

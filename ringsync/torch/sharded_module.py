@@ -33,8 +33,9 @@ import weakref
 
 import torch
 
+from ringsync._context import resolve
 from ringsync._adapters import InstanceNumbers
-from ringsync._core import even_split
+from ringsync._requests import even_split
 from ringsync.errors import CheckpointError, UsageError
 from ringsync.objects import allgather_object
 from ringsync.ops import ReduceOp
@@ -124,7 +125,7 @@ class ShardedModule(torch.nn.Module):
                              f"torch.float16, got {mixed_precision!r}")
         self.module = module
         self._process_set, self._compute_dtype = process_set, mixed_precision
-        comm = mpi_ops._comm(process_set)
+        comm = resolve(process_set)
         self._rank, self._size = comm.rank(), comm.size()
         self._prefix = f"zero3.m{_instances.next(process_set)}"
         if broadcast_from_first_rank:
@@ -344,7 +345,7 @@ def _first_rank(process_set):
     ranks = getattr(process_set, "ranks", None)
     if ranks:
         return min(ranks)
-    world = mpi_ops._comm(process_set).world_rank()
+    world = resolve(process_set).world_rank()
     return min(allgather_object(world, process_set=process_set))
 
 
