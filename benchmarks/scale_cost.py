@@ -44,11 +44,11 @@ HOST = b"127.0.0.1"
 SECRET = bytes(range(32))
 
 # Struct sizes from native/src (x86-64): rs_meta_t (checked.h): 6 int32 + 2 double + 8
-# int64 = 104; rs_pending_t (engine.h): 3 pointers, int + pad, int64, double, 2 ints,
+# int64 = 104; rs_pending_t (negotiate.h): 3 pointers, int + pad, int64, double, 2 ints,
 # pointer = 72. The ring header (transport_shm.c) is 4 cache lines.
 META_BYTES, PENDING_BYTES = 104, 72
 RING_BYTES = (1 << 21) + 256
-LANE_AREA_BYTES = 2 * ((256 << 10) + 4000 + 1024) + 128  # RS_DIRECT_AREA_BYTES
+LANE_AREA_BYTES = 2 * ((256 << 10) + 4000 + 1024) + 128  # RS_LANE_AREA_BYTES (transport.h)
 LANE_AREAS = 2
 
 

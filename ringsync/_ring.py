@@ -12,7 +12,7 @@ import socket
 
 from . import addresses, bootstrap
 from ._native import ffi, lib
-from .config import Config, hierarchical_mode, log_enabled
+from .config import Config, hierarchical_mode
 from .errors import CommunicationError, UsageError
 from .rendezvous import Rendezvous
 
@@ -137,7 +137,7 @@ class NativeRing:
             "cycle_time_ms": self.config.cycle_time_ms,
             # Stall reports are warnings: RINGSYNC_LOG_LEVEL=error or fatal silences them.
             "stall_check_seconds": self.config.stall_check_seconds
-            if log_enabled("warning", {"RINGSYNC_LOG_LEVEL": self.config.log_level}) else 0.0,
+            if self.config.logs("warning") else 0.0,
             "cache_capacity": self.config.cache_capacity,
             "lane_spin_seconds": self._lane_spin_seconds(),
             "lane_max_bytes": self.config.lane_bytes,

@@ -200,8 +200,8 @@ class Config:
         help="how long a wait on a same-host peer spins before it blocks. Auto: 20 where "
              "the host has two cores per local rank, else 0 (on 2 cores with 2 ranks "
              "spinning made nothing faster)")
-    # No upper bound: the lane posts whole buffers only up to RS_DIRECT_MAX_BYTES (256 KiB,
-    # native/src/internal.h) and stages larger allreduces through shared memory in chunks,
+    # No upper bound: the lane posts whole buffers only up to RS_LANE_MAX_BYTES (256 KiB,
+    # native/src/transport.h) and stages larger allreduces through shared memory in chunks,
     # so any size works; the default sends every blocking allreduce there.
     lane_bytes: int = _setting(
         1 << 30, "RINGSYNC_LANE_BYTES", unit="bytes", maximum=INT64_MAX, zero="no lane",
@@ -342,6 +342,12 @@ class Config:
                 problems.append(f"{setting.env}={value!r} is not one of "
                                 f"{', '.join(setting.choices)}")
         return problems
+
+    def logs(self, level: str) -> bool:
+        """Whether a message of ``level`` is printed under this Config's log level (the
+        communicator's, read once at init; log_enabled reads the environment instead, for
+        messages with no Config at hand)."""
+        return log_enabled(level, {"RINGSYNC_LOG_LEVEL": self.log_level})
 
     def overlap_choice(self) -> Optional[bool]:
         """RINGSYNC_OVERLAP as a choice: True (on), False (off) or None (auto: the adapter

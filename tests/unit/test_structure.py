@@ -148,11 +148,15 @@ def test_no_public_function_has_an_underscore_parameter():
     assert not offenders, f"public functions with '_' parameters: {offenders}"
 
 
+def submitter_users(modules: dict) -> list:
+    return [f"{name} line {node.lineno}" for name, (_path, tree) in modules.items()
+            if name not in SUBMITTER_OWNERS for node in ast.walk(tree)
+            if (isinstance(node, ast.Attribute) and node.attr == "_submitter")
+            or (isinstance(node, ast.Name) and node.id == "_submitter")]
+
+
 def test_only_the_communicator_touches_its_submitter():
-    users = [f"{name} line {node.lineno}" for name, (_path, tree) in MODULES.items()
-             if name not in SUBMITTER_OWNERS for node in ast.walk(tree)
-             if (isinstance(node, ast.Attribute) and node.attr == "_submitter")
-             or (isinstance(node, ast.Name) and node.id == "_submitter")]
+    users = submitter_users(MODULES)
     assert not users, f"_submitter used outside {sorted(SUBMITTER_OWNERS)}: {users}"
 
 
@@ -198,3 +202,10 @@ def test_the_parameter_check_sees_methods_and_skips_nested_functions():
                  "def g(x):\n    def inner(_unused): pass\n")
     found = {q: underscore_parameters(fn) for q, fn in public_functions(tree)}
     assert found == {"f": ["_flag"], "C.m": ["_blocking"], "g": []}
+
+
+def test_the_submitter_check_sees_a_use_outside_its_owners():
+    source = _tree("def f(comm):\n    return comm._submitter.run(comm, [], None, 'x')\n")
+    assert submitter_users({"ringsync.torch.optimizer": (None, source)}) == [
+        "ringsync.torch.optimizer line 2"]
+    assert submitter_users({"ringsync._core": (None, source)}) == []
