@@ -14,7 +14,7 @@ import pytest
 
 import ringsync as rs
 
-from ..mpi.reference import assert_reduced, rank_input
+from tests.common.reference import assert_reduced, rank_input
 
 # Defaults for every test here; a test's own marker adds the rank count.
 pytestmark = pytest.mark.ranks(timeout=120, env={"RINGSYNC_TIMEOUT_SECONDS": "60"})

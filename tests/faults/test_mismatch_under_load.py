@@ -1,6 +1,6 @@
 """Mismatched blocking collectives under mpirun while a second job keeps every core busy:
 each fails on every rank and the correct call after it succeeds on every rank (the cases
-and the checks: tests/mpi/mismatches.py; the thread-rank version with more rounds and
+and the checks: tests/common/mismatches.py; the thread-rank version with more rounds and
 every same-host path is tests/unit/test_mismatch_stress.py). Load made the ranks drift
 one call apart before a refusal took the call's place on every rank."""
 import os
@@ -11,7 +11,7 @@ import pytest
 
 import ringsync as rs
 from ringsync.testing import run_mpi
-from tests.mpi import mismatches
+from tests.common import mismatches
 
 pytestmark = pytest.mark.requires_mpirun
 

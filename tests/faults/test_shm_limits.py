@@ -23,7 +23,7 @@ import pytest
 import ringsync as rs
 import ringsync.testing as testing
 
-from ..mpi.reference import assert_reduced, rank_input
+from tests.common.reference import assert_reduced, rank_input
 
 pytestmark = pytest.mark.requires_mpirun
 

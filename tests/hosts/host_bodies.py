@@ -5,7 +5,7 @@ from collections import Counter
 import numpy as np
 
 import ringsync as rs
-from tests.mpi import bodies
+from tests.common import collective_checks
 
 
 def _expected_topology(hosts, me):
@@ -32,7 +32,7 @@ def topology_and_collectives(host_count, ranks_per_host):
     me = rs.rank()
     got = (rs.local_rank(), rs.local_size(), rs.cross_rank(), rs.cross_size())
     assert got == _expected_topology(hosts, me), (me, hosts, got)
-    for check in bodies.CHECKS.values():
+    for check in collective_checks.CHECKS.values():
         check(rs)
     rs.shutdown()
 
@@ -114,7 +114,7 @@ def _check_topology(host_count, ranks_per_host):
 
 def collectives_at_scale(host_count, ranks_per_host):
     """Every collective on many ranks, with references in closed form (the matrix of
-    tests/mpi/bodies.py computes every rank's inputs on every rank: O(N^2) work that
+    tests/common/collective_checks.py computes every rank's inputs on every rank: O(N^2) work that
     32 ranks on 2 cores cannot afford). Data differ by rank and position; sizes include 0,
     1, a prime, and one large enough for the hierarchical allreduce."""
     rs.init()

@@ -7,11 +7,11 @@ import re
 import pytest
 
 from ringsync.testing import assert_mpi_ok
-from tests.mpi import in_order
+from tests.common import in_order
+
+from . import host_bodies as bodies
 
 pytestmark = pytest.mark.requires_mpirun
-
-BODY = "tests.hosts.host_bodies:"
 ENV = {"RINGSYNC_TIMEOUT_SECONDS": "60", "OMP_NUM_THREADS": "1"}
 
 
@@ -22,7 +22,7 @@ def test_collectives_across_hosts(virtual_hosts, host_count, ranks_per_host):
     """Every collective of the matrix, and the topology queries, with ranks on
     host_count hosts: the same results as on one host."""
     hosts = virtual_hosts(host_count, rate=None)
-    assert_mpi_ok(BODY + "topology_and_collectives", np=host_count * ranks_per_host,
+    assert_mpi_ok(bodies.topology_and_collectives, np=host_count * ranks_per_host,
                   hosts=hosts, slots=ranks_per_host, timeout=300, env=ENV,
                   args=(host_count, ranks_per_host))
 
@@ -31,7 +31,7 @@ def test_hierarchical_allreduce_sends_the_link_bound(virtual_hosts):
     """2 hosts of 2 ranks: a large allreduce is hierarchical, and its bytes over TCP are
     what the algorithm says (the link bound per host), none to same-host peers."""
     hosts = virtual_hosts(2, rate=None)
-    assert_mpi_ok(BODY + "hierarchical_traffic", np=4, hosts=hosts, slots=2, timeout=120,
+    assert_mpi_ok(bodies.hierarchical_traffic, np=4, hosts=hosts, slots=2, timeout=120,
                   env=ENV)
 
 
@@ -39,9 +39,9 @@ def test_uneven_hosts_and_transports(virtual_hosts):
     """3 ranks on one host, 1 on another: topology, collectives, and which transport
     carried the bytes to each peer (shm inside the host, TCP between hosts)."""
     hosts = virtual_hosts(2, rate=None)
-    assert_mpi_ok(in_order.TARGET, np=4, hosts=hosts, slots=[3, 1], timeout=300, env=ENV,
-                  args=in_order.args_for("tests.hosts.host_bodies",
-                                         ["topology_and_collectives:2,3", "transports_follow_hosts"]))
+    assert_mpi_ok(in_order.run, np=4, hosts=hosts, slots=[3, 1], timeout=300, env=ENV,
+                  args=in_order.args_for(bodies, ["topology_and_collectives:2,3",
+                                                 bodies.transports_follow_hosts]))
 
 
 @pytest.mark.parametrize("iface", [None, "eth1,eth0", "no-such-nic,eth0"])
@@ -53,7 +53,7 @@ def test_address_that_reaches_the_peers(virtual_hosts, iface):
     env = dict(ENV, RINGSYNC_START_TIMEOUT_SECONDS="20")
     if iface:
         env["RINGSYNC_IFACE"] = iface
-    assert_mpi_ok(BODY + "listens_where_peers_reach", np=4, hosts=hosts, slots=2,
+    assert_mpi_ok(bodies.listens_where_peers_reach, np=4, hosts=hosts, slots=2,
                   timeout=120, env=env, args=(hosts.subnet,))
 
 
@@ -87,7 +87,7 @@ def test_a_link_taken_down_fails_every_rank(virtual_hosts, tmp_path):
     env = dict(ENV, RINGSYNC_TIMEOUT_SECONDS="10")
     box = {}
     job = threading.Thread(target=lambda: box.update(result=run_mpi(
-        BODY + "fails_when_a_link_goes_down", np=4, hosts=hosts, slots=2, timeout=180,
+        bodies.fails_when_a_link_goes_down, np=4, hosts=hosts, slots=2, timeout=180,
         env=env, args=(str(tmp_path),))))
     job.start()
     deadline = time.monotonic() + 120
@@ -117,7 +117,7 @@ def test_32_ranks_on_4_hosts(virtual_hosts, host_count, ranks_per_host):
     """A job of 32 ranks, 8 on each of 4 hosts (oversubscribed: this machine may have 2
     cores): every collective, with references in closed form."""
     hosts = virtual_hosts(host_count, rate=None)
-    assert_mpi_ok(BODY + "collectives_at_scale", np=host_count * ranks_per_host,
+    assert_mpi_ok(bodies.collectives_at_scale, np=host_count * ranks_per_host,
                   hosts=hosts, slots=ranks_per_host, timeout=600,
                   env=dict(ENV, RINGSYNC_TIMEOUT_SECONDS="120"),
                   args=(host_count, ranks_per_host))

@@ -9,15 +9,15 @@ import numpy as np
 
 import ringsync as rs
 
-from . import bodies
-from .reference import REDUCIBLE, assert_reduced, rank_input
+from tests.common import collective_checks
+from tests.common.reference import REDUCIBLE, assert_reduced, rank_input
 
 
 def out_of_order_submission():
     """50 tensors submitted asynchronously in a different order on every rank
-    (bodies.out_of_order_submission, here through the module-level API)."""
+    (collective_checks.out_of_order_submission, here through the module-level API)."""
     rs.init()
-    bodies.out_of_order_submission(rs)
+    collective_checks.out_of_order_submission(rs)
     rs.shutdown()
 
 

@@ -14,7 +14,7 @@ import tensorflow as tf  # noqa: E402
 
 import ringsync.tensorflow as hvd  # noqa: E402
 
-from .reference import reference_adasum  # noqa: E402
+from tests.common.reference import reference_adasum  # noqa: E402
 
 # The adapter's own bodies, run in the same jobs (one TensorFlow import for all):
 from .tf_bodies import (broadcast_variables_and_objects,  # noqa: E402,F401

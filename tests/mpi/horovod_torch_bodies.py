@@ -270,7 +270,7 @@ def adasum_allreduce_and_optimizer():
     DistributedOptimizer(op=Adasum) combining the ranks' SGD+momentum updates."""
     import numpy as np
 
-    from .reference import reference_adasum
+    from tests.common.reference import reference_adasum
     hvd.init()
     me, size = hvd.rank(), hvd.size()
 

@@ -6,7 +6,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import numpy as np  # noqa: E402
 
-from .reference import assert_reduced, rank_input  # noqa: E402
+from tests.common.reference import assert_reduced, rank_input  # noqa: E402
 
 
 def _framework(rank):

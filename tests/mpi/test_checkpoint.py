@@ -8,7 +8,7 @@ pytest.importorskip("torch")
 
 from ringsync.testing import assert_mpi_fails, assert_mpi_ok  # noqa: E402
 
-from . import in_order  # noqa: E402
+from tests.common import in_order  # noqa: E402
 
 pytestmark = pytest.mark.requires_mpirun
 
@@ -18,7 +18,7 @@ ENV = {"RINGSYNC_TIMEOUT_SECONDS": "60", "OMP_NUM_THREADS": "1"}
 
 def _run(np, *calls, fails=False):
     check = assert_mpi_fails if fails else assert_mpi_ok
-    return check(in_order.TARGET, np=np, timeout=180, env=ENV, args=(MODULE, *calls))
+    return check(in_order.run, np=np, timeout=180, env=ENV, args=(MODULE, *calls))
 
 
 def test_saved_on_4_ranks_loads_on_2_and_3_and_survives_a_kill_mid_save(tmp_path):

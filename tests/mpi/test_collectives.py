@@ -8,7 +8,7 @@ import pytest
 
 import ringsync as rs
 
-from . import bodies
+from tests.common import collective_checks
 
 ENV = {"RINGSYNC_TIMEOUT_SECONDS": "60"}
 
@@ -18,7 +18,7 @@ def test_every_check_through_the_module_api():
     """rs.init() over MPI.COMM_WORLD, then every check of the matrix on the default path;
     after shutdown() the module refuses calls again."""
     rs.init()
-    for check in bodies.CHECKS.values():
+    for check in collective_checks.CHECKS.values():
         check(rs)
     rs.shutdown()
     with pytest.raises(rs.NotInitializedError, match=r"init\(\)"):

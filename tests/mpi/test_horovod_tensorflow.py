@@ -1,13 +1,13 @@
 """horovod.tensorflow's API, called as a Horovod user calls it (tests/mpi/horovod_tf_bodies.py,
 which also runs tests/mpi/tf_bodies.py's bodies), several bodies per job: importing
-TensorFlow takes seconds (see tests/mpi/in_order.py)."""
+TensorFlow takes seconds (see tests/common/in_order.py)."""
 import pytest
 
 pytest.importorskip("tensorflow")
 
 from ringsync.testing import assert_mpi_ok  # noqa: E402
 
-from . import in_order  # noqa: E402
+from tests.common import in_order  # noqa: E402
 
 pytestmark = pytest.mark.requires_mpirun
 
@@ -25,5 +25,5 @@ BODIES = ["collectives_eager_and_in_tf_function", "broadcast_variables_and_objec
 
 @pytest.mark.parametrize("np", [1, 3])
 def test_horovod_tensorflow_api(np):
-    assert_mpi_ok(in_order.TARGET, np=np, timeout=400, env=ENV,
+    assert_mpi_ok(in_order.run, np=np, timeout=400, env=ENV,
                   args=in_order.args_for(MODULE, BODIES))

@@ -1,5 +1,5 @@
 """horovod.torch's API, called as a Horovod user calls it (tests/mpi/horovod_torch_bodies.py,
-several bodies per job: see tests/mpi/in_order.py)."""
+several bodies per job: see tests/common/in_order.py)."""
 
 import pytest
 
@@ -7,7 +7,7 @@ pytest.importorskip("torch")
 
 from ringsync.testing import assert_mpi_ok  # noqa: E402
 
-from . import in_order  # noqa: E402
+from tests.common import in_order  # noqa: E402
 
 pytestmark = pytest.mark.requires_mpirun
 
@@ -23,7 +23,7 @@ BODIES = ["argument_rules_and_compression", "sparse_allreduce_and_probes", "more
 
 
 def test_process_sets_on_four_ranks():
-    assert_mpi_ok(in_order.TARGET, np=4, timeout=300, env=ENV,
+    assert_mpi_ok(in_order.run, np=4, timeout=300, env=ENV,
                   args=in_order.args_for(MODULE, ["process_sets_concurrently"]))
 
 

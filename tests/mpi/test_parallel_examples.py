@@ -1,14 +1,14 @@
 """The model-parallel examples (pipeline with both schedules, tensor, data x pipeline) on
 4 ranks, each with --check: each compares its training with one process training the
 unsplit model (float64, rtol 1e-10) and exits non-zero where anything differs. They run
-one after another in one mpirun job (tests/mpi/in_order.py: one torch import for all)."""
+one after another in one mpirun job (tests/common/in_order.py: one torch import for all)."""
 import pytest
 
 pytest.importorskip("torch")
 
 from ringsync.testing import assert_mpi_ok  # noqa: E402
 
-from . import in_order  # noqa: E402
+from tests.common import in_order  # noqa: E402
 
 pytestmark = pytest.mark.requires_mpirun
 
@@ -21,4 +21,4 @@ EXAMPLES = ["pipeline_parallel.py --schedule gpipe --check",
 
 
 def test_model_parallel_examples_equal_the_unsplit_model():
-    assert_mpi_ok("tests.mpi.in_order:examples", np=4, timeout=300, env=ENV, args=EXAMPLES)
+    assert_mpi_ok(in_order.examples, np=4, timeout=300, env=ENV, args=EXAMPLES)

@@ -1,13 +1,13 @@
 """ringsync.torch.ShardedOptimizer (ZeRO stages 1 and 2) and ShardedModule (stage 3):
 tests/mpi/sharded_bodies.py, all bodies in one mpirun job per rank count (see
-tests/mpi/in_order.py)."""
+tests/common/in_order.py)."""
 import pytest
 
 pytest.importorskip("torch")
 
 from ringsync.testing import assert_mpi_ok  # noqa: E402
 
-from . import in_order  # noqa: E402
+from tests.common import in_order  # noqa: E402
 
 pytestmark = pytest.mark.requires_mpirun
 
@@ -20,6 +20,6 @@ BODIES = ["same_as_distributed_optimizer", "state_dicts_and_mixed_dtypes", "bad_
 
 @pytest.mark.parametrize("np", [2, 3])
 def test_sharded_optimizer(np):
-    assert_mpi_ok(in_order.TARGET, np=np, timeout=120, env=ENV,
+    assert_mpi_ok(in_order.run, np=np, timeout=120, env=ENV,
                   args=in_order.args_for(MODULE, BODIES))
 

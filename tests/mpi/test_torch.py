@@ -2,7 +2,7 @@
 
 The rank code is in tests/mpi/torch_bodies.py (MODULE below), not in this file: importing
 torch takes seconds, so the tests run several bodies one after another in one mpirun job
-through tests/mpi/in_order.py."""
+through tests/common/in_order.py."""
 
 import pytest
 
@@ -10,7 +10,7 @@ pytest.importorskip("torch")
 
 from ringsync.testing import assert_mpi_ok  # noqa: E402
 
-from . import in_order  # noqa: E402
+from tests.common import in_order  # noqa: E402
 from .test_horovod_torch import BODIES as HOROVOD_BODIES  # noqa: E402
 from .test_horovod_torch import HOROVOD_EXAMPLES  # noqa: E402
 from .test_horovod_torch import MODULE as HOROVOD_MODULE  # noqa: E402
@@ -18,7 +18,6 @@ from .test_horovod_torch import MODULE as HOROVOD_MODULE  # noqa: E402
 pytestmark = pytest.mark.requires_mpirun
 
 MODULE = "tests.mpi.torch_bodies"
-BODY = MODULE + ":"
 ENV = {"RINGSYNC_TIMEOUT_SECONDS": "60", "OMP_NUM_THREADS": "1"}
 
 
@@ -40,7 +39,7 @@ OVERLAP = {1: "auto", 2: "off", 3: "on"}
 
 @pytest.mark.parametrize("np", [1, 2, 3])
 def test_torch(np):
-    """Every body, one after another in one job (see tests/mpi/in_order.py); with several
+    """Every body, one after another in one job (see tests/common/in_order.py); with several
     ranks, then DistributedOptimizer on 1/np of each batch against one process, for every
     optimizer x dtype x backward_passes_per_step x compression in TRAINING (gradients
     reduced at step() on 2 ranks, during backward on 3: OVERLAP); then, in the same job
@@ -49,7 +48,7 @@ def test_torch(np):
     training = in_order.args_for(MODULE, ["training_matches_one_process"], TRAINING)[1:]
     args = in_order.chain((MODULE, *BODIES, *(training if np > 1 else ())),
                           in_order.args_for(HOROVOD_MODULE, HOROVOD_BODIES))
-    assert_mpi_ok(in_order.TARGET, np=np, timeout=500,
+    assert_mpi_ok(in_order.run, np=np, timeout=500,
                   env={**ENV, "RINGSYNC_OVERLAP": OVERLAP[np]}, args=args)
 
 
@@ -60,9 +59,10 @@ def test_pytorch_examples_learn():
     and Horovod's examples (tests/mpi/test_horovod_torch.py HOROVOD_EXAMPLES)."""
     examples = ["pytorch_digits.py --check", "zero_digits.py --stage 3 --epochs 7 --check",
                 *HOROVOD_EXAMPLES]
-    assert_mpi_ok("tests.mpi.in_order:examples", np=2, timeout=400, env=ENV, args=examples)
+    assert_mpi_ok(in_order.examples, np=2, timeout=400, env=ENV, args=examples)
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_tensors():
-    assert_mpi_ok(BODY + "cuda_tensors_are_staged_through_host", np=2, timeout=180, env=ENV)
+    from . import torch_bodies  # here, not above: pytest's process needs it for this test only
+    assert_mpi_ok(torch_bodies.cuda_tensors_are_staged_through_host, np=2, timeout=180, env=ENV)

@@ -9,7 +9,7 @@ import tensorflow as tf  # noqa: E402
 
 import ringsync.tensorflow as hvd  # noqa: E402
 
-from .reference import assert_reduced, rank_input  # noqa: E402
+from tests.common.reference import assert_reduced, rank_input  # noqa: E402
 
 TF_DTYPES = ["uint8", "int8", "uint16", "int16", "int32", "int64", "float16", "bfloat16",
              "float32", "float64"]

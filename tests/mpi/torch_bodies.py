@@ -9,7 +9,7 @@ import torch
 
 import ringsync.torch as hvd
 
-from .reference import assert_reduced, rank_input
+from tests.common.reference import assert_reduced, rank_input
 
 TORCH_DTYPES = {"uint8": torch.uint8, "int8": torch.int8, "uint16": torch.uint16,
                 "int16": torch.int16, "int32": torch.int32,

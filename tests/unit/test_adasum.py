@@ -8,7 +8,7 @@ import pytest
 import ringsync as rs
 from ringsync.ops import ReduceOp
 
-from tests.mpi.reference import EPS, bfloat16, dtype_of, rank_input, reference_adasum, scale
+from tests.common.reference import EPS, bfloat16, dtype_of, rank_input, reference_adasum, scale
 from tests.thread_ranks import PATHS, assert_ranks_ok
 
 TIMEOUT = 120

@@ -11,7 +11,7 @@ import pytest
 
 import ringsync as rs
 
-from tests.mpi.reference import FLOAT_DTYPES, assert_reduced, rank_input
+from tests.common.reference import FLOAT_DTYPES, assert_reduced, rank_input
 from tests.thread_ranks import assert_ok, assert_ranks_ok, rank_config, run_threads
 
 TIMEOUT = 300  # seconds for one whole run; a hang fails the test with every rank's stack

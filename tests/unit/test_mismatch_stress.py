@@ -7,7 +7,7 @@ over TCP and over shared memory (matched by negotiation). The same stress under 
 with the cores loaded, is tests/faults/test_mismatch_under_load.py."""
 import pytest
 
-from tests.mpi import mismatches
+from tests.common import mismatches
 from tests.thread_ranks import PATHS, assert_ranks_ok
 
 TIMEOUT = 300

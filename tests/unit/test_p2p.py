@@ -10,7 +10,7 @@ import pytest
 import ringsync as rs
 from ringsync.process_sets import ProcessSet, Registry, communicator_of
 
-from tests.mpi.reference import MOVABLE, dtype_of, rank_input
+from tests.common.reference import MOVABLE, dtype_of, rank_input
 from tests.thread_ranks import PATHS, assert_ranks_ok, run_ranks
 
 TIMEOUT = 60

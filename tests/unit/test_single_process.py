@@ -9,7 +9,7 @@ from ringsync._core import even_split
 from ringsync._native import ffi, lib
 from ringsync.config import Config
 
-from tests.mpi.reference import (FLOAT_DTYPES, INT_DTYPES, OPS, assert_reduced, dtype_of,
+from tests.common.reference import (FLOAT_DTYPES, INT_DTYPES, OPS, assert_reduced, dtype_of,
                                  rank_input)
 
 

@@ -15,8 +15,8 @@ import ringsync as rs
 from ringsync import bootstrap
 from ringsync.rendezvous import Rendezvous, ThreadGroup
 
-from tests.mpi import bodies
-from tests.mpi.reference import REDUCIBLE, dtype_of, reduce_exact, scale
+from tests.common import collective_checks
+from tests.common.reference import REDUCIBLE, dtype_of, reduce_exact, scale
 from tests.thread_ranks import (PATHS, assert_ok, assert_ranks_ok, rank_config, run_ranks,
                                 run_threads)
 
@@ -25,8 +25,8 @@ BASE_ENV = {"RINGSYNC_TIMEOUT_SECONDS": "60"}
 
 ALLREDUCES = ["allreduce_all", "allreduce_large_and_strided", "grouped_and_async_all"]
 # Staging changes allreduces only; one rank has no peers to reach.
-CASES = ([(check, 1, "shm") for check in bodies.CHECKS] +
-         [(check, size, path) for check in bodies.CHECKS for size in (2, 3, 4)
+CASES = ([(check, 1, "shm") for check in collective_checks.CHECKS] +
+         [(check, size, path) for check in collective_checks.CHECKS for size in (2, 3, 4)
           for path in ("shm", "tcp", "shm-ring")] +
          [(check, size, "staged") for check in ALLREDUCES for size in (2, 3, 4)] +
          # Past 4 ranks the negotiation and small allgathers take log2(N) rounds (Bruck)
@@ -37,7 +37,7 @@ CASES = ([(check, 1, "shm") for check in bodies.CHECKS] +
 
 @pytest.mark.parametrize("check,size,path", CASES)
 def test_collective(check, size, path):
-    assert_ranks_ok(bodies.CHECKS[check], size, timeout=TIMEOUT,
+    assert_ranks_ok(collective_checks.CHECKS[check], size, timeout=TIMEOUT,
                     env={**BASE_ENV, **PATHS[path]})
 
 
@@ -55,7 +55,7 @@ def _mixed_transports(comm):
     assert comm.transport == ("shm" if local > 1 else "tcp"), comm.transport
     for name in ("allreduce_all", "allgather_all", "broadcast_all", "reducescatter_all",
                  "alltoall_all"):
-        bodies.CHECKS[name](comm)
+        collective_checks.CHECKS[name](comm)
 
 
 @pytest.mark.parametrize("size", [2, 3, 4])
@@ -107,7 +107,7 @@ def test_settings_that_differ_fail_every_rank_naming_them():
 def test_allreduce_over_routable_address(size):
     """Listen on and connect to the address other hosts would use, not loopback."""
     address = bootstrap.listen_addresses(None)[1]
-    assert_ranks_ok(bodies.routable_address_allreduce, size, timeout=TIMEOUT,
+    assert_ranks_ok(collective_checks.routable_address_allreduce, size, timeout=TIMEOUT,
                     env={**BASE_ENV, "RINGSYNC_TRANSPORT": "tcp", "RINGSYNC_IFACE": address})
 
 

@@ -3,10 +3,13 @@ start and one framework import (seconds each for torch and TensorFlow) serve the
 body starts and shuts ringsync down itself, as it does when it runs alone. A failure's
 traceback names the body; the line printed before it says which arguments it had.
 chain() puts several modules' bodies in one job; examples() runs example scripts, each as
-`python examples/<script>` would, one after another in one job."""
-import importlib
+`python examples/<script>` would, one after another in one job.
 
-TARGET = "tests.mpi.in_order:run"
+Callers hand run_mpi the function itself (``run`` or ``examples``). The bodies travel as
+their module's name and their own names (the ranks' arguments are strings): args_for()
+takes a module or its name, and functions or their names; framework tests give names, so
+that pytest's process need not import their *_bodies.py (torch, TensorFlow)."""
+import importlib
 
 
 def run(module_name, *calls):
@@ -32,12 +35,22 @@ def chain(*arg_lists):
     return tuple(out)
 
 
-def args_for(module_name, bodies, arg_sets=None):
-    """run_mpi's args: every body, or one body once per argument set."""
+def args_for(module, bodies, arg_sets=None):
+    """run_mpi's args: every body, or one body once per argument set. module: a module or
+    its name; bodies: functions of it or their names ("body" or "body:arg1,arg2")."""
+    module_name = module if isinstance(module, str) else module.__name__
+    bodies = [body if isinstance(body, str) else _body_name(body, module_name)
+              for body in bodies]
     if arg_sets is None:
         return (module_name, *bodies)
     (body,) = bodies
     return (module_name, *(f"{body}:{','.join(a)}" for a in arg_sets))
+
+
+def _body_name(function, module_name):
+    if function.__module__ != module_name or "." in function.__qualname__:
+        raise ValueError("%r is not a top-level function of %s" % (function, module_name))
+    return function.__name__
 
 
 def example(script, *args):
