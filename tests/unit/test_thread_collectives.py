@@ -132,7 +132,7 @@ def test_rings_of_one_process_are_independent():
 
 # ------------------------------------------------------- the staged allreduce's chunks
 
-STAGE_CHUNK_BYTES = 256 << 10  # native/src/direct.c: the staged allreduce's chunk
+STAGE_CHUNK_BYTES = 256 << 10  # RS_LANE_MAX_BYTES (transport.h): the staged allreduce's chunk
 # dtype: (op, prescale, postscale) for each call
 STAGED_CASES = {
     "float32": [("Sum", 1.0, 1.0), ("Average", 0.5, 3.0), ("Min", 1.0, 1.0),
