@@ -23,7 +23,7 @@ from ringsync.process_sets import (ProcessSet, add_process_set, global_process_s
 from ringsync.errors import (CommunicationError, HorovodInternalError, HostsUpdatedInterrupt,
                              MismatchError, RingsyncError, UsageError)
 
-from . import elastic
+from . import distributed, elastic  # (distributed: registers the "ringsync" backend)
 from .compression import Compression
 from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                         broadcast_parameters)

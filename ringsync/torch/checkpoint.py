@@ -27,9 +27,9 @@ import torch
 from ringsync.checkpoint import META, CheckpointError, Codec, Parts, open_checkpoint, \
     save_generation
 from ringsync.checkpoint import write_atomically as _write_atomically
+from ringsync._context import resolve
 from ringsync.process_sets import global_process_set
 
-from . import mpi_ops
 from .sharded_module import ShardedModule, load_buffers
 
 __all__ = ["META", "CheckpointError", "TorchCodec", "save", "load", "save_slice_state",
@@ -67,7 +67,7 @@ def save(path, model, optimizer=None, process_set=global_process_set, **extra):
     """Save model (and optimizer) to directory `path`; every rank of the set calls it.
     extra: picklable values of plain types (numbers, strings, lists, dicts, tensors),
     returned by load(). Returns the generation number written."""
-    comm = mpi_ops._comm(process_set)
+    comm = resolve(process_set)
     rank = comm.rank()
     parts = Parts(CODEC)
     _save_module(model, parts, rank)
