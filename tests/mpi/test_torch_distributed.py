@@ -1,0 +1,52 @@
+"""torch.distributed on the "ringsync" backend (ringsync.torch.distributed): the collective
+matrix of tests/mpi/torch_distributed_bodies.py under torchrun on 1-3 ranks (the ring built
+over torch's store, no MPI), the same checks on gloo (so that they test torch's semantics),
+and under mpirun (the world group on the job's MPI-built ring)."""
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from ringsync.testing import assert_mpi_ok
+
+BODIES = "tests.mpi.torch_distributed_bodies"  # (named: pytest's process imports no torch)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEADLINE_S = 300
+
+
+def torchrun(nproc: int, *args, env=None):
+    """`python -m torch.distributed.run --standalone` of the bodies module; returns the
+    finished process, killed (its whole session) at the deadline."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", "-m", BODIES, *args]
+    environ = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+                   **(env or {}))
+    job = subprocess.Popen(command, cwd=ROOT, env=environ, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = job.communicate(timeout=DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        output, _ = job.communicate()
+        raise AssertionError(f"torchrun on {nproc} ranks passed the {DEADLINE_S} s deadline:\n"
+                             f"{output}")
+    return job.returncode, output
+
+
+@pytest.mark.parametrize("backend,nproc", [("ringsync", 1), ("ringsync", 2), ("ringsync", 3),
+                                           ("gloo", 2)])
+def test_collective_matrix_under_torchrun(backend, nproc):
+    status, output = torchrun(nproc, backend)
+    assert status == 0, f"torchrun exit status {status}; every rank's output:\n{output}"
+    for rank in range(nproc):  # every check ran to the end on every rank
+        assert f"--- every check passed ({backend}, rank {rank})" in output, output
+
+
+@pytest.mark.requires_mpirun
+@pytest.mark.parametrize("np_", [2, 3])
+def test_collective_matrix_under_mpirun(np_, tmp_path):
+    assert_mpi_ok(f"{BODIES}:under_mpirun", np=np_, timeout=DEADLINE_S,
+                  args=(str(tmp_path / "rendezvous"),), env={"OMP_NUM_THREADS": "1"})

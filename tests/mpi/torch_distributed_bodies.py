@@ -1,0 +1,305 @@
+"""Rank programs for tests/mpi/test_torch_distributed.py: torch.distributed's collectives
+on a backend given by name ("ringsync", or "gloo" to show that the checks test torch's
+semantics), every result compared with a numpy reference computed from every rank's input.
+
+Run by torchrun as a module (`python -m tests.mpi.torch_distributed_bodies BACKEND`), or
+under mpirun through `under_mpirun` (ringsync.init() first: the world group then runs on
+the job's MPI-built ring)."""
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import ringsync.torch.distributed  # noqa: F401  (registers "ringsync")
+from tests.common.reference import assert_reduced, dtype_of, rank_input
+
+TORCH_OPS = {"Sum": dist.ReduceOp.SUM, "Average": dist.ReduceOp.AVG,
+             "Min": dist.ReduceOp.MIN, "Max": dist.ReduceOp.MAX,
+             "Product": dist.ReduceOp.PRODUCT}
+# What gloo itself lacks (torch's CPU reference backend): these run on ringsync only.
+GLOO_LACKS_OPS = {"Average"}
+FLOATS = ["float32", "float64", "float16", "bfloat16"]
+INTS = ["int32", "int64", "uint8", "int8"]
+SHAPES = [(1,), (7,), (3, 5), (1009,)]
+
+
+def tensor(array):
+    if array.dtype == dtype_of("bfloat16"):
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16).clone()
+    return torch.from_numpy(np.array(array))
+
+
+def array(t):
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(dtype_of("bfloat16"))
+    return t.numpy()
+
+
+def every_input(shape, dtype, op="Sum", salt=""):
+    return [rank_input(r, shape, dtype, op, salt) for r in range(dist.get_world_size())]
+
+
+def check_all_reduce(backend):
+    rank = dist.get_rank()
+    for dtype in FLOATS + INTS:
+        for op in TORCH_OPS:
+            if (backend == "gloo" and op in GLOO_LACKS_OPS) or (dtype in INTS and
+                                                                 op == "Average"):
+                continue
+            for shape in SHAPES:
+                inputs = every_input(shape, dtype, op)
+                t = tensor(inputs[rank])
+                work = dist.all_reduce(t, op=TORCH_OPS[op], async_op=shape == (7,))
+                if work is not None:
+                    work.wait()
+                assert_reduced(array(t), inputs, op, what=f"all_reduce {op} {dtype} {shape}")
+
+
+def check_non_contiguous_and_bitwise(backend):
+    rank, size = dist.get_rank(), dist.get_world_size()
+    inputs = every_input((6, 4), "float64")
+    t = tensor(inputs[rank]).t()  # a transposed view: not contiguous
+    dist.all_reduce(t)
+    np.testing.assert_allclose(t.numpy(), sum(inputs).T, rtol=1e-12)
+    ints = every_input((9,), "int64", salt="bits")
+    for op, fold in ((dist.ReduceOp.BAND, np.bitwise_and), (dist.ReduceOp.BOR, np.bitwise_or),
+                     (dist.ReduceOp.BXOR, np.bitwise_xor)):
+        t = tensor(ints[rank])
+        dist.all_reduce(t, op=op)
+        np.testing.assert_array_equal(t.numpy(), fold.reduce(np.stack(ints)), err_msg=str(op))
+    flags = [rank_input(r, (11,), "bool") for r in range(size)]
+    for op, fold in ((dist.ReduceOp.SUM, np.logical_or), (dist.ReduceOp.PRODUCT, np.logical_and),
+                     (dist.ReduceOp.MAX, np.logical_or), (dist.ReduceOp.MIN, np.logical_and)):
+        t = torch.from_numpy(flags[rank].copy())
+        dist.all_reduce(t, op=op)
+        np.testing.assert_array_equal(t.numpy(), fold.reduce(np.stack(flags)), err_msg=str(op))
+    if backend != "gloo":  # (gloo has no PREMUL_SUM)
+        x = every_input((5,), "float64", salt="premul")
+        t = tensor(x[rank])
+        dist.all_reduce(t, op=dist.ReduceOp.PREMUL_SUM(0.25) if hasattr(
+            dist.ReduceOp, "PREMUL_SUM") else dist.ReduceOp.SUM)
+        np.testing.assert_allclose(t.numpy(), sum(0.25 * v for v in x), rtol=1e-12)
+        z = [np.array(v[:4] + 1j * v[1:], dtype=np.complex128) for v in x]
+        t = torch.from_numpy(z[rank].copy())
+        dist.all_reduce(t)
+        np.testing.assert_allclose(t.numpy(), sum(z), rtol=1e-12)
+
+
+def check_data_movement(backend):
+    rank, size = dist.get_rank(), dist.get_world_size()
+    for dtype in ["float32", "int64", "bfloat16", "uint8"]:
+        inputs = every_input((2, 3), dtype, salt="move")
+        # broadcast from the last rank
+        t = tensor(inputs[rank])
+        dist.broadcast(t, src=size - 1)
+        np.testing.assert_array_equal(array(t), inputs[-1], err_msg=f"broadcast {dtype}")
+        # all_gather (a list) and all_gather_into_tensor
+        outs = [torch.empty_like(tensor(inputs[0])) for _ in range(size)]
+        dist.all_gather(outs, tensor(inputs[rank]))
+        for r in range(size):
+            np.testing.assert_array_equal(array(outs[r]), inputs[r], err_msg=f"all_gather {r}")
+        out = torch.empty((2 * size, 3), dtype=tensor(inputs[0]).dtype)
+        dist.all_gather_into_tensor(out, tensor(inputs[rank]))
+        np.testing.assert_array_equal(array(out), np.concatenate(inputs))
+        # gather / scatter at root 0
+        got = [torch.empty_like(tensor(inputs[0])) for _ in range(size)] if rank == 0 else None
+        dist.gather(tensor(inputs[rank]), got, dst=0)
+        if rank == 0:
+            for r in range(size):
+                np.testing.assert_array_equal(array(got[r]), inputs[r], err_msg=f"gather {r}")
+        mine = torch.empty_like(tensor(inputs[0]))
+        pieces = [tensor(rank_input(0, (2, 3), dtype, salt=f"scatter{r}"))
+                  for r in range(size)] if rank == 0 else None
+        dist.scatter(mine, pieces, src=0)
+        np.testing.assert_array_equal(array(mine), rank_input(0, (2, 3), dtype,
+                                                              salt=f"scatter{rank}"))
+
+
+def check_reductions_that_scatter(backend):
+    rank, size = dist.get_rank(), dist.get_world_size()
+    for op in ["Sum", "Max"] + ([] if backend == "gloo" else ["Average"]):
+        inputs = every_input((size * 4,), "float64", op, salt="rs")
+        out = torch.empty(4, dtype=torch.float64)
+        dist.reduce_scatter_tensor(out, tensor(inputs[rank]), op=TORCH_OPS[op])
+        assert_reduced(out.numpy(), [x[rank * 4:(rank + 1) * 4] for x in inputs], op,
+                       what=f"reduce_scatter_tensor {op}")
+        lists = [[rank_input(r, (3,), "float32", op, f"rsl{j}") for j in range(size)]
+                 for r in range(size)]
+        out = torch.empty(3)
+        dist.reduce_scatter(out, [tensor(x) for x in lists[rank]], op=TORCH_OPS[op])
+        assert_reduced(out.numpy(), [lists[r][rank] for r in range(size)], op,
+                       what=f"reduce_scatter {op}")
+        x = every_input((5,), "float32", op, salt="reduce")
+        t = tensor(x[rank])
+        dist.reduce(t, dst=size - 1, op=TORCH_OPS[op])
+        if rank == size - 1:
+            assert_reduced(t.numpy(), x, op, what=f"reduce {op}")
+
+
+def check_all_to_all(backend):
+    rank, size = dist.get_rank(), dist.get_world_size()
+    x = torch.arange(size * 2, dtype=torch.float64) + 100 * rank
+    y = torch.empty_like(x)
+    dist.all_to_all_single(y, x)
+    want = np.concatenate([np.arange(rank * 2, rank * 2 + 2) + 100 * r for r in range(size)])
+    np.testing.assert_array_equal(y.numpy(), want)
+    # uneven splits: rank r sends r + j + 1 rows to rank j
+    send = [r + j + 1 for r in range(size) for j in range(size)]
+    rows = [[send[r * size + j] for j in range(size)] for r in range(size)]
+    x = torch.full((sum(rows[rank]), 2), float(rank))
+    recv = [rows[r][rank] for r in range(size)]
+    y = torch.empty((sum(recv), 2))
+    dist.all_to_all_single(y, x, output_split_sizes=recv, input_split_sizes=rows[rank])
+    np.testing.assert_array_equal(y.numpy()[:, 0], np.repeat(np.arange(size, dtype=float), recv))
+    outs = [torch.empty(3, dtype=torch.int64) for _ in range(size)]
+    dist.all_to_all(outs, [torch.full((3,), 10 * rank + j, dtype=torch.int64)
+                           for j in range(size)])
+    for r in range(size):
+        np.testing.assert_array_equal(outs[r].numpy(), np.full(3, 10 * r + rank))
+
+
+def check_messages_and_objects(backend):
+    rank, size = dist.get_rank(), dist.get_world_size()
+    dist.barrier()
+    if size > 1:
+        right, left = (rank + 1) % size, (rank - 1) % size
+        ops = [dist.P2POp(dist.isend, torch.full((4,), float(rank)), right, tag=3),
+               dist.P2POp(dist.irecv, torch.empty(4), left, tag=3)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        np.testing.assert_array_equal(ops[1].tensor.numpy(), np.full(4, float(left)))
+        if rank == 0:
+            for tag in (7, 8):
+                dist.send(torch.full((2,), float(tag)), 1, tag=tag)
+        elif rank == 1:
+            got = torch.empty(2)
+            dist.recv(got, 0, tag=7)
+            np.testing.assert_array_equal(got.numpy(), [7.0, 7.0])
+            dist.recv(got, 0, tag=8)
+            np.testing.assert_array_equal(got.numpy(), [8.0, 8.0])
+    everyone = [None] * size
+    dist.all_gather_object(everyone, {"rank": rank, "text": "x" * rank})
+    assert everyone == [{"rank": r, "text": "x" * r} for r in range(size)], everyone
+    objects = [f"from {rank}", rank] if rank == 0 else [None, None]
+    dist.broadcast_object_list(objects, src=0)
+    assert objects == ["from 0", 0], objects
+
+
+def check_groups(backend):
+    rank, size = dist.get_rank(), dist.get_world_size()
+    members = list(range(0, size, 2))  # the even ranks
+    group = dist.new_group(members)
+    if rank in members:
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t, group=group)
+        assert t.item() == sum(r + 1 for r in members), (t, members)
+        b = torch.tensor([float(rank)])
+        dist.broadcast(b, src=members[-1], group=group)  # (the global rank, as torch takes)
+        assert b.item() == members[-1], b
+
+
+def model_and_batches(steps=4, batch=12, seed=0):
+    """A float64 MLP and `steps` global batches (every rank builds the same ones)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    model = model.double()
+    data = [(torch.randn(batch, 5, dtype=torch.float64), torch.randn(batch, 3, dtype=torch.float64))
+            for _ in range(steps)]
+    return model, data
+
+
+def train(model, data, shard=lambda x: x, accumulate=None, lr=0.1):
+    """SGD with momentum on mean squared error over each batch (this rank's shard of it).
+    accumulate(model): a context for the first half of a batch (DDP's no_sync)."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    for x, y in data:
+        x, y = shard(x), shard(y)
+        opt.zero_grad()
+        if accumulate is None:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        else:
+            half = x.shape[0] // 2
+            with accumulate(model):
+                (torch.nn.functional.mse_loss(model(x[:half]), y[:half]) / 2).backward()
+            (torch.nn.functional.mse_loss(model(x[half:]), y[half:]) / 2).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def check_training(backend):
+    """DDP (plain; no_sync; bucket views with a static graph) and FSDP2 end where one
+    process training on the whole batch ends, to float64 round-off."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    rank, size = dist.get_rank(), dist.get_world_size()
+
+    def shard(t):
+        return t.chunk(size)[rank]
+
+    def halves_shard(t):  # (each half of the batch split over the ranks: as no_sync sees it)
+        half = t.shape[0] // 2
+        return torch.cat([t[:half].chunk(size)[rank], t[half:].chunk(size)[rank]])
+
+    model, data = model_and_batches()
+    reference = train(model, data)
+    variants = {
+        "ddp": lambda m: train(DDP(m), data, shard),
+        "ddp no_sync": lambda m: train(DDP(m), data, halves_shard, lambda d: d.no_sync()),
+        "ddp bucket views, static graph": lambda m: train(
+            DDP(m, gradient_as_bucket_view=True, static_graph=True, bucket_cap_mb=0.001),
+            data, shard),
+        "fsdp2": lambda m: train_fsdp(fully_shard, m, data, shard),
+    }
+    for name, run in variants.items():
+        fresh, _ = model_and_batches()
+        got = run(fresh)
+        for i, (a, b) in enumerate(zip(got, reference)):
+            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-10, atol=1e-12,
+                                       err_msg=f"{name}: parameter {i} on rank {rank}")
+
+
+def train_fsdp(fully_shard, model, data, shard):
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    train(model, data, shard)
+    return [p.full_tensor().detach().clone() for p in model.parameters()]
+
+
+CHECKS = [check_all_reduce, check_non_contiguous_and_bitwise, check_data_movement,
+          check_reductions_that_scatter, check_all_to_all, check_messages_and_objects,
+          check_groups, check_training]
+
+
+def run_checks(backend):
+    for check in CHECKS:
+        print(f"--- {check.__name__} ({backend}, rank {dist.get_rank()})", flush=True)
+        check(backend)
+    dist.barrier()
+    print(f"--- every check passed ({backend}, rank {dist.get_rank()})", flush=True)
+    dist.destroy_process_group()
+
+
+def under_torchrun(backend):
+    dist.init_process_group(backend)
+    assert dist.get_backend() == backend
+    assert dist.get_rank() == int(os.environ["RANK"])
+    run_checks(backend)
+
+
+def under_mpirun(path):
+    """ringsync.init() first: the world group runs on the job's ring (built over MPI)."""
+    import ringsync
+    ringsync.init()
+    dist.init_process_group("ringsync", init_method=f"file://{path}", rank=ringsync.rank(),
+                            world_size=ringsync.size())
+    assert dist.group.WORLD.comm is ringsync._comm(), "the world group must reuse the job's ring"
+    run_checks("ringsync")
+    ringsync.shutdown()
+
+
+if __name__ == "__main__":
+    under_torchrun(sys.argv[1])
