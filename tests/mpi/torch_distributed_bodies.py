@@ -301,5 +301,53 @@ def under_mpirun(path):
     ringsync.shutdown()
 
 
+def late_rank_times_out(backend):
+    """Rank 1 comes 20 s late to an all_reduce; with a 4 s group timeout every waiting
+    rank gets torch's DistBackendError (not a hang), naming the rank that did not come."""
+    import time
+    from datetime import timedelta
+    dist.init_process_group(backend, timeout=timedelta(seconds=4))
+    rank = dist.get_rank()
+    if rank == 1:
+        time.sleep(20)
+        print("--- rank 1 done sleeping", flush=True)
+        return
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(3))
+    except dist.DistBackendError as exc:
+        waited = time.monotonic() - start
+        print(f"--- rank {rank} raised DistBackendError after {waited:.1f} s: {exc}", flush=True)
+        assert waited < 15, waited
+        assert "1" in str(exc), exc
+        return
+    raise AssertionError(f"rank {rank}: all_reduce returned without rank 1")
+
+
+def different_collectives_fail_naming_both(backend):
+    """Rank 0 calls all_reduce, the others broadcast: every rank gets an error that names
+    both calls (gloo would hang or mix the data up), and the group still works after."""
+    dist.init_process_group(backend)
+    rank = dist.get_rank()
+    t = torch.ones(4)
+    try:
+        if rank == 0:
+            dist.all_reduce(t)
+        else:
+            dist.broadcast(t, src=0)
+    except dist.DistBackendError as exc:
+        text = str(exc)
+        print(f"--- rank {rank} raised {type(exc).__name__}: {text}", flush=True)
+        assert "allreduce" in text and "broadcast" in text, text
+    else:
+        raise AssertionError(f"rank {rank}: mismatched collectives did not fail")
+    t = torch.full((2,), float(rank))
+    dist.all_reduce(t)  # the next call works on every rank
+    assert t.tolist() == [float(sum(range(dist.get_world_size())))] * 2, t
+    print(f"--- rank {rank}: the next all_reduce works", flush=True)
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    under_torchrun(sys.argv[1])
+    program = globals()[sys.argv[2]] if len(sys.argv) > 2 else under_torchrun
+    program(sys.argv[1])

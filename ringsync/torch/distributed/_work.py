@@ -14,14 +14,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ringsync.errors import RingsyncError, UsageError
+from ringsync.errors import MismatchError, RingsyncError, UsageError
 
 
 def as_torch_error(exc: BaseException) -> BaseException:
-    """What a torch caller catches: a usage error stays a ValueError (bad arguments, as
+    """What a torch caller catches: this rank's bad arguments stay a ValueError (as
     torch's own checks raise); a failed collective (a lost peer, a timeout, ranks that
     called different collectives) becomes torch's DistBackendError, a RuntimeError."""
-    if isinstance(exc, UsageError) or not isinstance(exc, RingsyncError):
+    if not isinstance(exc, RingsyncError) or (isinstance(exc, UsageError) and
+                                              not isinstance(exc, MismatchError)):
         return exc
     error = dist.DistBackendError(str(exc))
     error.__cause__ = exc
