@@ -264,7 +264,7 @@ def autotuned_rate(comm, name, initial_state, batch, lr, args):
     runs first (as RINGSYNC_AUTOTUNE=1 does, with shorter samples); then the same model
     is timed with the defaults and with the choice in alternation, args.rounds times each,
     so that both figures come from the same stretch of the run."""
-    ring = hvd.mpi_ops._comm(hvd.global_process_set)
+    ring = hvd.global_process_set.communicator()
     defaults = ring.engine_settings()
     tuner = autotune.start(ring, warmup_samples=1, steps_per_sample=args.tune_steps,
                                 max_samples=args.tune_samples)

@@ -45,7 +45,8 @@ ffibuilder.set_source(
     # Paths relative to the project root, where setuptools runs the build.
     sources=[os.path.relpath(os.path.join(HERE, "src", s)) for s in SOURCES],
     include_dirs=[os.path.relpath(INCLUDE)],
-    extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+    extra_compile_args=["-O3", "-flto", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+    extra_link_args=["-O3", "-flto"],
     libraries=["m", "pthread", "rt"],  # rt: shm_open on glibc before 2.34
 )
 

@@ -16,7 +16,7 @@ from typing import Optional
 
 import numpy as np
 
-from ._arrays import describe
+from ._arrays import as_output, describe
 from ._grouped import GroupedCollectives
 from ._native import ffi, lib
 from ._p2p import PointToPoint
@@ -255,7 +255,8 @@ class Communicator(GroupedCollectives, PointToPoint):
         (out: see allreduce_buffers)."""
         name = self._name(name, "allreduce")
         try:  # (inline, not _checked: this is every allreduce's path)
-            src, out = allreduce_buffers(x, out, what, name)
+            src, out = (as_output(x, what, name),) * 2 if out is IN_PLACE else \
+                allreduce_buffers(x, out, what, name)  # (in place: the common case, inline)
             code, prescale, postscale = as_op(op, what), float(prescale), float(postscale)
         except (TypeError, ValueError) as exc:
             self._submitter.refuse([name], lib.RS_KIND_ALLREDUCE, exc, blocking)

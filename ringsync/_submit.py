@@ -222,20 +222,30 @@ class Submitter:
     def start_allreduce(self, comm, src: np.ndarray, out: np.ndarray, name: str, op: int,
                         prescale: float, postscale: float, what: str) -> Handle:
         """start() for an allreduce of src into out (arrays checked as input and output),
-        through the request cache."""
-        struct = self._cached_struct(src, name, op, prescale, postscale, what, False)
+        through the request cache (its lookups inlined: every gradient hook comes here)."""
+        if self.orphans:
+            self.release_finished_orphans()
+        struct = self._cache.structs.get((src.dtype, src.shape, op, prescale, postscale, False))
+        if struct is None:
+            struct = self._cached_struct(src, name, op, prescale, postscale, what, False)
         return self._submit_struct(comm, struct, src, out, name, what)
 
     def run_allreduce(self, comm, src: np.ndarray, out: np.ndarray, name: str, op: int,
                       prescale: float, postscale: float, what: str):
-        """run() for an allreduce of src into out, through the request cache: returns out."""
-        struct = self._cached_struct(src, name, op, prescale, postscale, what, True)
+        """run() for an allreduce of src into out, through the request cache: returns out.
+        (Every blocking allreduce comes here: the cache lookups are inlined.)"""
+        if self.orphans:
+            self.release_finished_orphans()
+        cache = self._cache
+        struct = cache.structs.get((src.dtype, src.shape, op, prescale, postscale, True))
+        if struct is None:
+            struct = self._cached_struct(src, name, op, prescale, postscale, what, True)
         if self.ring.lane and not self.ring.closed:
             struct.sendbuf = ffi.from_buffer(src)
             struct.recvbuf = struct.sendbuf if out is src else ffi.from_buffer(out)
-            ran = self._cache.ran
-            status = lib.rs_engine_try_lane(self.ring.engine, self._cache.name(name)[2],
-                                            struct, ran)
+            names = cache.names.get(name) or cache.name(name)
+            ran = cache.ran
+            status = lib.rs_engine_try_lane(self.ring.engine, names[2], struct, ran)
             if status != lib.RS_OK:
                 self.raise_engine_error(status, what, name, MismatchError)
             if ran[0]:
@@ -278,7 +288,8 @@ class Submitter:
         send = ffi.from_buffer(src)
         recv = send if out is src else ffi.from_buffer(out)
         struct.sendbuf, struct.recvbuf = send, recv
-        c_name, c_names, _ = self._cache.name(name)
+        cache = self._cache
+        c_name, c_names, _ = cache.names.get(name) or cache.name(name)
         ids = ffi.new("int64_t[1]")
         status = lib.rs_engine_submit(self.ring.engine, c_names, struct, 1, ids)
         if status != lib.RS_OK:

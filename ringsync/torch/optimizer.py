@@ -72,6 +72,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._sparse_as_dense = sparse_as_dense
         self._names = self._parameter_names(named_parameters, _instances.next(process_set))
         self._at_step = StepBuffers(f"{self._prefix}.gradients")
+        self._auto_overlap = (None, True)  # (communicator, overlaps(communicator))
         self._group_of = _gradient_groups(list(self._names), num_groups, groups)
         self._pending = {}  # parameter -> (handle, wire tensor, compression context)
         self._ready_in_group = {}  # group -> its parameters whose gradients are ready
@@ -204,7 +205,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         dense CPU gradients, where nothing is to be compressed or grouped."""
         return (self._compression is Compression.none and not self._group_of and
                 grad.device.type == "cpu" and grad.is_contiguous() and
-                not overlaps(resolve(self._process_set)))
+                not self._overlaps(resolve(self._process_set)))
+
+    def _overlaps(self, comm) -> bool:
+        """overlaps(comm), its auto rule worked out once per communicator (every gradient
+        asks; the agreed choice can change with autotune, so it is read each time)."""
+        agreed = comm.overlaps
+        if agreed is not None:
+            return agreed
+        if self._auto_overlap[0] is not comm:
+            self._auto_overlap = (comm, overlaps(comm))
+        return self._auto_overlap[1]
 
     def _dense_grad(self, p):
         """p.grad, made to exist (zeros for a parameter that took no part this step on
