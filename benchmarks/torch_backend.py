@@ -60,11 +60,14 @@ def timed_calls(call, seconds, group):
     """Median seconds per call over batches of calls lasting about `seconds` in all."""
     call()
     dist.barrier(group=group)
-    start, count = time.perf_counter(), 0
-    while time.perf_counter() - start < seconds / 5 or count < 3:
+    start = time.perf_counter()
+    for _ in range(3):
         call()
-        count += 1
-    per_batch = max(1, count)
+    # How many calls make a batch of about seconds / 5: the same count on every rank
+    # (each call is a collective), so rank 0's estimate is broadcast.
+    count = torch.tensor([int(seconds / 5 / max((time.perf_counter() - start) / 3, 1e-7))])
+    dist.broadcast(count, src=dist.get_global_rank(group, 0), group=group)
+    per_batch = max(1, int(count.item()))
     trials = []
     for _ in range(5):
         dist.barrier(group=group)
