@@ -63,6 +63,7 @@ SLOW_MPIRUN = [
     "tests/mpi/test_engine.py::test_fusion_threshold_does_not_change_results[4096]",
     "tests/mpi/test_engine.py::test_fusion_threshold_does_not_change_results[67108864]",
     "tests/mpi/test_engine.py::test_timeline_is_chrome_trace_json[3]",
+    "tests/mpi/test_engine.py::test_timeline_is_chrome_trace_json[1]",
     "tests/mpi/test_process_set_agreement.py::*[duplicate]",
     "tests/mpi/test_process_set_agreement.py::*[not_a_member]",
     "tests/mpi/test_testing_helper.py::test_marker_runs_the_test_on_every_rank[np3-value0]",
@@ -71,6 +72,7 @@ SLOW_MPIRUN = [
     "tests/mpi/test_testing_helper.py::test_expected_failure_returns_the_result",
     "tests/mpi/test_testing_helper.py::test_failing_rank_is_reported_with_its_traceback",
     "tests/faults/test_hardening.py::test_ranks_with_different_settings_fail_init[*",
+    "tests/faults/test_hardening.py::test_overflowing_sizes_are_usage_errors[np1]",
     "tests/faults/test_hardening.py::test_overflowing_sizes_are_usage_errors[np2]",
     "tests/faults/test_hardening.py::test_overflowing_sizes_are_usage_errors[np3]",
     "tests/faults/test_hardening.py::test_bad_names_and_scale_factors[*",
@@ -111,6 +113,7 @@ SLOW_MPIRUN = [
 
 # Deadlines waited out on purpose (a hang, a stall, a timeout: seconds of nothing).
 SLOW_DEADLINES = [
+    "tests/unit/test_p2p.py::test_an_unmatched_recv_times_out_naming_its_peer",
     "tests/mpi/test_testing_helper.py::test_hang_times_out_dumps_stacks_and_leaves_no_process",
     "tests/mpi/test_testing_helper.py::test_marker_reports_failures_deadlines_skips_and_refusals",
     "tests/mpi/test_engine.py::test_stall_is_reported_once_naming_the_missing_rank",
@@ -135,6 +138,7 @@ SLOW_STRESS = [
     "tests/unit/test_thread_collectives.py::test_collective[*-7-*]",
     "tests/unit/test_thread_collectives.py::test_mixed_transports_give_the_same_results[4]",
     "tests/unit/test_hierarchical.py::test_allreduce_on_every_layout_is_*[2x2-auto]",
+    "tests/unit/test_hierarchical.py::test_allreduce_on_every_layout_is_*[2x2-on]",
     "tests/unit/test_hierarchical.py::test_allreduce_on_every_layout_is_*[2x2-off]",
     "tests/unit/test_hierarchical.py::test_allreduce_on_every_layout_is_*[3x2-on]",
     "tests/unit/test_hierarchical.py::test_allreduce_on_every_layout_is_*[2x3-on]",
