@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ringsync.errors import UsageError
 from ringsync.ops import ReduceOp
 
-from .._tensors import from_numpy, to_numpy
+from .._tensors import to_numpy
 
 BACKEND = "ringsync"
 _RED = dist.ReduceOp.RedOpType
@@ -67,19 +67,9 @@ def array_of(host: torch.Tensor, what: str) -> np.ndarray:
     return to_numpy(host, what)
 
 
-def tensor_of(array: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-    """The core's result as a tensor of like's dtype (undoing array_of's views)."""
-    if like.dtype == torch.bool:
-        return from_numpy(array).view(torch.bool)
-    if like.is_complex():
-        return torch.view_as_complex(from_numpy(array).reshape(*array.shape[:-1], -1, 2)
-                                     if array.shape[-1:] != (2,) else from_numpy(array))
-    return from_numpy(array)
-
-
 def reduction(op, tensor: torch.Tensor, what: str):
     """(ringsync ReduceOp or None for a bitwise op, prescale factor) of torch's op."""
-    kind = op.op if isinstance(op, dist.ReduceOp) else op
+    kind = getattr(op, "op", op)  # (a ReduceOp object, as torch passes; or its RedOpType)
     if kind in BITWISE:
         if tensor.is_floating_point() or tensor.is_complex():
             raise UsageError(f"{BACKEND} backend: {what} with {kind.name} needs an integer or "
