@@ -69,6 +69,16 @@ def test_different_collectives_fail_on_every_rank_naming_both():
         assert f"--- rank {rank}: the next all_reduce works" in output, output
 
 
+def test_one_ranks_bad_arguments_fail_the_call_on_every_rank_at_once():
+    status, output = torchrun(2, "ringsync", "bad_arguments_fail_on_every_rank")
+    assert status == 0, output
+    for name in ("all_gather_into_tensor", "all_to_all_single", "scatter", "broadcast"):
+        assert f"--- rank 1 {name}: ValueError" in output, output
+        assert f"--- rank 0 {name}: DistBackendError" in output, output
+        for rank in range(2):
+            assert f"--- rank {rank} {name}: the next all_reduce works" in output, output
+
+
 def test_the_ddp_example_learns_alike_on_ringsync_and_gloo():
     """examples/ddp_digits.py, unchanged but for --backend: on 2 ranks a sum has one
     order, so both backends train to the same accuracy. (gloo's exit status is not

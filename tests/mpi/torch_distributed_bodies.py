@@ -348,6 +348,61 @@ def different_collectives_fail_naming_both(backend):
     dist.destroy_process_group()
 
 
+def bad_arguments(rank, size):
+    """(name, call) pairs: call(bad) runs one collective, with arguments that rank
+    size-1 gets wrong where bad is True."""
+    def gather_into_tensor(bad):
+        dist.all_gather_into_tensor(torch.zeros(3 * size + bad), torch.ones(3))
+
+    def all_to_all_single(bad):
+        splits = [2] * size
+        splits[0] += bad  # (the split sizes no longer add up to the input's rows)
+        dist.all_to_all_single(torch.zeros(2 * size), torch.ones(2 * size),
+                               input_split_sizes=splits)
+
+    def scatter(bad):  # (the root is the bad rank: it gives one input too few)
+        inputs = [torch.full((2,), float(i)) for i in range(size - bad)]
+        dist.scatter(torch.zeros(2), inputs if rank == size - 1 else None, src=size - 1)
+
+    def broadcast(bad):  # (a dtype the core cannot carry)
+        dist.broadcast(torch.zeros(4, dtype=torch.float8_e4m3fn if bad else torch.float32),
+                       src=0)
+    return [("all_gather_into_tensor", gather_into_tensor),
+            ("all_to_all_single", all_to_all_single), ("scatter", scatter),
+            ("broadcast", broadcast)]
+
+
+def bad_arguments_fail_on_every_rank(backend):
+    """One rank's bad arguments (checked before they reach the ring) refuse the call on
+    the ring: that rank gets a ValueError naming what is wrong, every other rank a
+    DistBackendError at once (not after the 60 s group timeout), and the next all_reduce
+    works on every rank."""
+    import time
+    from datetime import timedelta
+    dist.init_process_group(backend, timeout=timedelta(seconds=60))
+    rank, size = dist.get_rank(), dist.get_world_size()
+    bad = rank == size - 1
+    for name, call in bad_arguments(rank, size):
+        start = time.monotonic()
+        try:
+            call(bad)
+        except (ValueError, dist.DistBackendError) as exc:
+            waited = time.monotonic() - start
+            kind = "DistBackendError" if isinstance(exc, dist.DistBackendError) else \
+                "ValueError"
+            print(f"--- rank {rank} {name}: {kind} after {waited:.1f} s: {exc}", flush=True)
+            assert kind == ("ValueError" if bad else "DistBackendError"), (name, rank, exc)
+            assert waited < 30, (name, rank, waited)
+        else:
+            raise AssertionError(f"rank {rank}: {name} with bad arguments did not fail")
+        t = torch.arange(3, dtype=torch.float64) + 10.0 * rank
+        dist.all_reduce(t)
+        want = [size * i + 10.0 * sum(range(size)) for i in range(3)]
+        assert t.tolist() == want, (name, rank, t.tolist(), want)
+        print(f"--- rank {rank} {name}: the next all_reduce works", flush=True)
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     program = globals()[sys.argv[2]] if len(sys.argv) > 2 else under_torchrun
     program(sys.argv[1])

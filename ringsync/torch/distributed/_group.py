@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from ringsync.errors import UsageError
 
-from ._convert import BACKEND, Staged, reduce_bitwise, reduction
+from ._convert import BACKEND, BITWISE, Staged, reduce_bitwise, reduction
 from ._work import Completer, RingsyncWork, as_torch_error
 
 
@@ -39,10 +39,41 @@ def _one(tensors, what):
     return tensors[0]
 
 
-def _same_size(got: int, want: int, what: str, rank: int):
+def _same_size(got: int, want: int, what: str, rank: int, unit: str = "elements"):
     if got != want:
-        raise UsageError(f"{BACKEND} backend: {what} on rank {rank}: {got} elements where "
+        raise UsageError(f"{BACKEND} backend: {what} on rank {rank}: {got} {unit} where "
                          f"{want} are needed")
+
+
+def _fill_from_each(outs, got, what: str, rank: int) -> None:
+    """An alltoall's result (data, elements from each rank) into outs, rank by rank."""
+    data, from_each = got
+    at = 0
+    for peer, out in enumerate(outs):
+        _same_size(int(from_each[peer]), out.array.size, f"{what}: from rank {peer}", rank)
+        out.fill(data[at:at + out.array.size])
+        at += out.array.size
+
+
+def _splits(given, rows: int, side: str, rank: int, size: int):
+    """all_to_all_single's rows to or from each rank: given, or an even split."""
+    if given:
+        splits = [int(n) for n in given]
+        _same_size(len(splits), size, f"all_to_all_single: {side}_split_sizes", rank,
+                   "sizes")
+        _same_size(sum(splits), rows, f"all_to_all_single: {side}_split_sizes", rank, "rows")
+        return splits
+    if rows % size:
+        raise UsageError(f"{BACKEND} backend: all_to_all_single on rank {rank}: {rows} "
+                         f"{side} rows do not split evenly over {size} ranks")
+    return [rows // size] * size
+
+
+def _scattering_reduction(opts, tensor, what):
+    code, pre = reduction(_op(opts), tensor, what)
+    if code is None:
+        raise UsageError(f"{BACKEND} backend: {what} has no bitwise reductions")
+    return code, pre
 
 
 class ProcessGroupRingsync(dist.ProcessGroup):
@@ -84,9 +115,21 @@ class ProcessGroupRingsync(dist.ProcessGroup):
 
     # ---- submitting ----
 
-    def _submit(self, blocking: bool, method: str, args, kwargs, finish, what: str):
-        """comm.<method>(*args) on this thread (blocking), or its asynchronous form with
-        the Completer; finish turns the raw result into the Work's value."""
+    def _start(self, opts, method: str, build, count=None):
+        """One collective: build() checks this rank's arguments and returns (args, kwargs,
+        finish); comm.<method>(*args, **kwargs) then runs on this thread (blocking opts)
+        or as its asynchronous form with the Completer, and finish turns the raw result
+        into the Work's value. A check that fails here refuses the call on the ring, so
+        that the peers' same call fails too instead of waiting for this rank; count: the
+        number of tensors of a grouped call."""
+        try:
+            args, kwargs, finish = build()
+        except (TypeError, ValueError) as exc:
+            self.comm.refuse_call(method.rstrip("_"), None, exc, count)
+            raise
+        return self._submit(_blocking(opts), method, args, kwargs, finish)
+
+    def _submit(self, blocking: bool, method: str, args, kwargs, finish):
         comm = self.comm
         try:
             if blocking:
@@ -96,240 +139,241 @@ class ProcessGroupRingsync(dist.ProcessGroup):
             raise as_torch_error(exc) from None
         return self._completer.add(lambda: comm.synchronize(handle), finish)
 
-    def _checked(self, collective: str, build):
-        """build(): this rank's checks; one that fails refuses the call on the ring first,
-        so that the peers' same call fails too instead of waiting for this rank."""
-        try:
-            return build()
-        except (TypeError, ValueError) as exc:
-            self.comm.refuse_call(collective, None, exc)
-            raise
-
     # ---- allreduce and reduce ----
 
     def allreduce(self, tensors, opts=None):
         if len(tensors) > 1:
             return self.allreduce_coalesced(tensors, opts)
-        staged = self._checked("allreduce", lambda: Staged(_one(tensors, "all_reduce"),
-                                                            "all_reduce"))
-        code, pre = self._checked("allreduce", lambda: reduction(_op(opts), staged.tensor,
-                                                                 "all_reduce"))
-        if code is None:
-            return self._bitwise(staged, _op(opts).op, _blocking(opts), lambda: True, tensors)
-        return self._submit(_blocking(opts), "allreduce_", (staged.array,),
-                            dict(op=code, prescale_factor=pre),
-                            lambda _: [staged.copy_back()], "all_reduce")
-
-    def allreduce_coalesced(self, tensors, opts=None):
-        staged = [Staged(t, "all_reduce_coalesced") for t in tensors]
-        reductions = {reduction(_op(opts), s.tensor, "all_reduce_coalesced") for s in staged}
-        code, pre = reductions.pop() if len(reductions) == 1 else (None, None)
-        if code is None:
-            raise UsageError(f"{BACKEND} backend: all_reduce_coalesced needs one "
-                             f"non-bitwise reduction for all its tensors")
-        return self._submit(_blocking(opts), "grouped_allreduce_", ([s.array for s in staged],),
-                            dict(op=code, prescale_factor=pre),
-                            lambda _: [s.copy_back() for s in staged], "all_reduce_coalesced")
-
-    def _bitwise(self, staged, kind, blocking, keeps, value):
-        """BAND/BOR/BXOR: every rank's tensor gathered, then reduced here (where keeps())."""
-        size = self.size()
-
-        def finish(gathered):
-            if keeps():
-                staged.fill(reduce_bitwise(kind, gathered, size))
-            return value
-        return self._submit(blocking, "allgather", (staged.array.reshape(1, -1),), {}, finish,
-                            "all_reduce")
+        return self._reduce(tensors, opts, "all_reduce", keeps=lambda: True)
 
     def reduce(self, tensors, opts=None):
-        staged = Staged(_one(tensors, "reduce"), "reduce")
         root, mine = opts.rootRank, self.rank()
-        code, pre = reduction(_op(opts), staged.tensor, "reduce")
-        if code is None:
-            return self._bitwise(staged, _op(opts).op, _blocking(opts), lambda: mine == root,
-                                 tensors)
+        return self._reduce(tensors, opts, "reduce", keeps=lambda: mine == root)
+
+    def _reduce(self, tensors, opts, what, keeps):
+        """all_reduce, or reduce (keeps(): whether this rank takes the result); a bitwise
+        op is reduced here from every rank's tensor (an allgather)."""
+        op = _op(opts)
+        try:
+            staged = Staged(_one(tensors, what), what)
+            code, pre = reduction(op, staged.tensor, what)
+        except (TypeError, ValueError) as exc:  # (bitwise or not: the peers' call says)
+            self.comm.refuse_call("allgather" if getattr(op, "op", op) in BITWISE
+                                  else "allreduce", None, exc)
+            raise
+
+        def finish_bitwise(gathered):
+            if keeps():
+                staged.fill(reduce_bitwise(op.op, gathered, self.size()))
+            return tensors
 
         def finish(total):
-            if mine == root:
+            if keeps():
                 staged.fill(total)
             return tensors
-        return self._submit(_blocking(opts), "allreduce", (staged.array,),
-                            dict(op=code, prescale_factor=pre), finish, "reduce")
+        if code is None:
+            return self._start(opts, "allgather", lambda: (
+                (staged.array.reshape(1, -1),), {}, finish_bitwise))
+        if what == "all_reduce":  # (in place)
+            return self._start(opts, "allreduce_", lambda: (
+                (staged.array,), dict(op=code, prescale_factor=pre),
+                lambda _: [staged.copy_back()]))
+        return self._start(opts, "allreduce", lambda: (
+            (staged.array,), dict(op=code, prescale_factor=pre), finish))
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        def build():
+            staged = [Staged(t, "all_reduce_coalesced") for t in tensors]
+            reductions = {reduction(_op(opts), s.tensor, "all_reduce_coalesced")
+                          for s in staged}
+            if len(reductions) != 1 or next(iter(reductions))[0] is None:
+                raise UsageError(f"{BACKEND} backend: all_reduce_coalesced needs one "
+                                 f"non-bitwise reduction for all its tensors")
+            code, pre = reductions.pop()
+            return (([s.array for s in staged],), dict(op=code, prescale_factor=pre),
+                    lambda _: [s.copy_back() for s in staged])
+        return self._start(opts, "grouped_allreduce_", build, count=len(tensors))
 
     # ---- broadcast ----
 
     def broadcast(self, tensors, opts=None):
-        staged = [Staged(t, "broadcast") for t in tensors]
         root = opts.rootRank if opts is not None else 0
-        if len(staged) == 1:
-            return self._submit(_blocking(opts), "broadcast_", (staged[0].array, root), {},
-                                lambda _: [staged[0].copy_back()], "broadcast")
-        works = [self._submit(False, "broadcast_", (s.array, root), {},
-                              lambda _, s=s: [s.copy_back()], "broadcast") for s in staged]
+        if len(tensors) == 1:
+            return self._broadcast_one(tensors[0], root, opts)
+        works = [self._broadcast_one(t, root, None) for t in tensors]
         return self._completer.add(lambda: [w.wait() for w in works], lambda _: tensors)
+
+    def _broadcast_one(self, tensor, root, opts):
+        def build():
+            staged = Staged(tensor, "broadcast")
+            return (staged.array, root), {}, lambda _: [staged.copy_back()]
+        return self._start(opts, "broadcast_", build)
 
     # ---- allgather and gather ----
 
     def allgather(self, output_lists, inputs, opts=None):
-        staged = Staged(_one(inputs, "all_gather"), "all_gather")
-        outs = [Staged(o, "all_gather") for o in _one(output_lists, "all_gather")]
-        _same_size(len(outs), self.size(), "all_gather: output tensors", self.rank())
-        n = staged.array.size
+        def build():
+            staged = Staged(_one(inputs, "all_gather"), "all_gather")
+            outs = [Staged(o, "all_gather") for o in _one(output_lists, "all_gather")]
+            _same_size(len(outs), self.size(), "all_gather: output tensors", self.rank(),
+                       "tensors")
+            n = staged.array.size
+            for out in outs:
+                _same_size(out.array.size, n, "all_gather: an output tensor", self.rank())
 
-        def finish(gathered):
-            _same_size(gathered.size, n * len(outs), "all_gather: gathered elements",
-                       self.rank())
-            for i, out in enumerate(outs):
-                out.fill(gathered.reshape(-1)[i * n:(i + 1) * n])
-            return output_lists
-        return self._submit(_blocking(opts), "allgather", (staged.array.reshape(-1),), {},
-                            finish, "all_gather")
+            def finish(gathered):
+                for i, out in enumerate(outs):
+                    out.fill(gathered.reshape(-1)[i * n:(i + 1) * n])
+                return output_lists
+            return (staged.array.reshape(-1),), {}, finish
+        return self._start(opts, "allgather", build)
 
     def all_gather_single(self, output, input, opts=None):
-        staged, out = Staged(input, "all_gather_into_tensor"), Staged(output,
-                                                                        "all_gather_into_tensor")
-        _same_size(out.array.size, staged.array.size * self.size(),
-                   "all_gather_into_tensor: output", self.rank())
-        return self._submit(_blocking(opts), "allgather", (staged.array.reshape(-1),), {},
-                            lambda gathered: [out.fill(gathered)], "all_gather_into_tensor")
+        def build():
+            staged = Staged(input, "all_gather_into_tensor")
+            out = Staged(output, "all_gather_into_tensor")
+            _same_size(out.array.size, staged.array.size * self.size(),
+                       "all_gather_into_tensor: output", self.rank())
+            return (staged.array.reshape(-1),), {}, lambda gathered: [out.fill(gathered)]
+        return self._start(opts, "allgather", build)
 
     _allgather_base = all_gather_single
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        staged = [Staged(t, "all_gather_into_tensor_coalesced") for t in inputs]
-        outs = [Staged(t, "all_gather_into_tensor_coalesced") for t in outputs]
-        return self._submit(_blocking(opts), "grouped_allgather",
-                            ([s.array.reshape(-1) for s in staged],), {},
-                            lambda got: [o.fill(g) for o, g in zip(outs, got)],
-                            "all_gather_into_tensor_coalesced")
+        what = "all_gather_into_tensor_coalesced"
+
+        def build():
+            staged = [Staged(t, what) for t in inputs]
+            outs = [Staged(t, what) for t in outputs]
+            _same_size(len(outs), len(staged), f"{what}: output tensors", self.rank())
+            for s, o in zip(staged, outs):
+                _same_size(o.array.size, s.array.size * self.size(), f"{what}: an output",
+                           self.rank())
+            return (([s.array.reshape(-1) for s in staged],), {},
+                    lambda got: [o.fill(g) for o, g in zip(outs, got)])
+        return self._start(opts, "grouped_allgather", build, count=len(inputs))
 
     def gather(self, output_lists, inputs, opts=None):
         """Every rank sends its tensor to the root only (an alltoall with one split)."""
-        staged = Staged(_one(inputs, "gather"), "gather")
         root, size = opts.rootRank, self.size()
-        outs = [Staged(o, "gather") for o in output_lists[0]] if self.rank() == root else []
-        splits = [0] * size
-        splits[root] = staged.array.size
 
-        def finish(got):
-            data, from_each = got
-            at = 0
-            for rank, out in enumerate(outs):
-                _same_size(int(from_each[rank]), out.array.size, f"gather: from rank {rank}",
-                           self.rank())
-                out.fill(data[at:at + out.array.size])
-                at += out.array.size
-            return output_lists
-        return self._submit(_blocking(opts), "alltoall", (staged.array.reshape(-1), splits), {},
-                            finish, "gather")
+        def build():
+            staged = Staged(_one(inputs, "gather"), "gather")
+            outs = [Staged(o, "gather") for o in _one(output_lists, "gather")] \
+                if self.rank() == root else []
+            if outs:
+                _same_size(len(outs), size, "gather: output tensors", self.rank(), "tensors")
+            splits = [0] * size
+            splits[root] = staged.array.size
+            return (staged.array.reshape(-1), splits), {}, lambda got: (
+                _fill_from_each(outs, got, "gather", self.rank()), output_lists)[1]
+        return self._start(opts, "alltoall", build)
 
     # ---- reduce-scatter and scatter ----
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
-        out = Staged(_one(outputs, "reduce_scatter"), "reduce_scatter")
-        ins = [Staged(t, "reduce_scatter") for t in _one(input_lists, "reduce_scatter")]
-        _same_size(len(ins), self.size(), "reduce_scatter: input tensors", self.rank())
-        for s in ins:
-            _same_size(s.array.size, out.array.size, "reduce_scatter: an input", self.rank())
-        stacked = np.concatenate([s.array.reshape(1, -1) for s in ins])
-        return self._reduce_scatter(stacked, out, opts, "reduce_scatter", outputs)
+        def build():
+            out = Staged(_one(outputs, "reduce_scatter"), "reduce_scatter")
+            ins = [Staged(t, "reduce_scatter") for t in _one(input_lists, "reduce_scatter")]
+            _same_size(len(ins), self.size(), "reduce_scatter: input tensors", self.rank(),
+                       "tensors")
+            for s in ins:
+                _same_size(s.array.size, out.array.size, "reduce_scatter: an input",
+                           self.rank())
+            rows = np.concatenate([s.array.reshape(1, -1) for s in ins])
+            return self._reduce_scatter_args(rows, out, opts, "reduce_scatter", outputs)
+        return self._start(opts, "reducescatter", build)
 
     def reduce_scatter_single(self, output, input, opts=None):
-        out, staged = Staged(output, "reduce_scatter_tensor"), Staged(input,
-                                                                       "reduce_scatter_tensor")
-        _same_size(staged.array.size, out.array.size * self.size(),
-                   "reduce_scatter_tensor: input", self.rank())
-        return self._reduce_scatter(staged.array.reshape(self.size(), -1), out, opts,
-                                    "reduce_scatter_tensor", [output])
+        def build():
+            out = Staged(output, "reduce_scatter_tensor")
+            staged = Staged(input, "reduce_scatter_tensor")
+            _same_size(staged.array.size, out.array.size * self.size(),
+                       "reduce_scatter_tensor: input", self.rank())
+            return self._reduce_scatter_args(staged.array.reshape(self.size(), -1), out,
+                                             opts, "reduce_scatter_tensor", [output])
+        return self._start(opts, "reducescatter", build)
 
     _reduce_scatter_base = reduce_scatter_single
 
-    def _reduce_scatter(self, rows, out, opts, what, value):
-        code, pre = reduction(_op(opts), out.tensor, what)
-        if code is None:
-            raise UsageError(f"{BACKEND} backend: {what} has no bitwise reductions")
-        return self._submit(_blocking(opts), "reducescatter", (rows,),
-                            dict(op=code, prescale_factor=pre),
-                            lambda mine: (out.fill(mine), value)[1], what)
+    def _reduce_scatter_args(self, rows, out, opts, what, value):
+        code, pre = _scattering_reduction(opts, out.tensor, what)
+        return (rows,), dict(op=code, prescale_factor=pre), \
+            lambda mine: (out.fill(mine), value)[1]
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
-        outs = [Staged(t, "reduce_scatter_tensor_coalesced") for t in outputs]
-        ins = [Staged(t, "reduce_scatter_tensor_coalesced") for t in inputs]
-        code, pre = reduction(_op(opts), outs[0].tensor, "reduce_scatter_tensor_coalesced")
-        if code is None:
-            raise UsageError(f"{BACKEND} backend: reduce_scatter_tensor_coalesced has no "
-                             f"bitwise reductions")
-        rows = [s.array.reshape(self.size(), -1) for s in ins]
-        return self._submit(_blocking(opts), "grouped_reducescatter", (rows,),
-                            dict(op=code, prescale_factor=pre),
-                            lambda got: [o.fill(g) for o, g in zip(outs, got)],
-                            "reduce_scatter_tensor_coalesced")
+        what = "reduce_scatter_tensor_coalesced"
+
+        def build():
+            outs, ins = [Staged(t, what) for t in outputs], [Staged(t, what) for t in inputs]
+            _same_size(len(outs), len(ins), f"{what}: output tensors", self.rank())
+            for s, o in zip(ins, outs):
+                _same_size(s.array.size, o.array.size * self.size(), f"{what}: an input",
+                           self.rank())
+            code, pre = _scattering_reduction(opts, outs[0].tensor, what)
+            return (([s.array.reshape(self.size(), -1) for s in ins],),
+                    dict(op=code, prescale_factor=pre),
+                    lambda got: [o.fill(g) for o, g in zip(outs, got)])
+        return self._start(opts, "grouped_reducescatter", build, count=len(inputs))
 
     def scatter(self, outputs, input_lists, opts=None):
         """The root sends tensor i to rank i (an alltoall where only the root sends)."""
-        out = Staged(_one(outputs, "scatter"), "scatter")
         root, size = opts.rootRank, self.size()
-        if self.rank() == root:
-            ins = [Staged(t, "scatter") for t in _one(input_lists, "scatter")]
-            _same_size(len(ins), size, "scatter: input tensors", self.rank())
-            data = np.concatenate([s.array.reshape(-1) for s in ins])
-            splits = [s.array.size for s in ins]
-        else:
-            data, splits = np.empty(0, out.array.dtype), [0] * size
 
-        def finish(got):
-            received, _ = got
-            _same_size(received.size, out.array.size, "scatter: received", self.rank())
-            return [out.fill(received)]
-        return self._submit(_blocking(opts), "alltoall", (data, splits), {}, finish, "scatter")
+        def build():
+            out = Staged(_one(outputs, "scatter"), "scatter")
+            if self.rank() == root:
+                ins = [Staged(t, "scatter") for t in _one(input_lists, "scatter")]
+                _same_size(len(ins), size, "scatter: input tensors", self.rank(), "tensors")
+                for s in ins:
+                    _same_size(s.array.size, out.array.size, "scatter: an input",
+                               self.rank())
+                data = np.concatenate([s.array.reshape(-1) for s in ins])
+                splits = [s.array.size for s in ins]
+            else:
+                data, splits = np.empty(0, out.array.dtype), [0] * size
+
+            def finish(got):
+                received, _ = got
+                _same_size(received.size, out.array.size, "scatter: received", self.rank())
+                return [out.fill(received)]
+            return (data, splits), {}, finish
+        return self._start(opts, "alltoall", build)
 
     # ---- all-to-all ----
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        staged, out = Staged(input, "all_to_all_single"), Staged(output, "all_to_all_single")
-        size = self.size()
-        rows = staged.tensor.shape[0] if staged.tensor.dim() else 1
-        if input_split_sizes:
-            splits = list(input_split_sizes)
-        elif rows % size:
-            raise UsageError(f"{BACKEND} backend: all_to_all_single on rank {self.rank()}: "
-                             f"{rows} rows do not split evenly over {size} ranks")
-        else:
-            splits = [rows // size] * size
-        wanted = list(output_split_sizes) if output_split_sizes else None
+        def build():
+            staged = Staged(input, "all_to_all_single")
+            out = Staged(output, "all_to_all_single")
+            rows = staged.tensor.shape[0] if staged.tensor.dim() else 1
+            out_rows = out.tensor.shape[0] if out.tensor.dim() else 1
+            splits = _splits(input_split_sizes, rows, "input", self.rank(), self.size())
+            wanted = _splits(output_split_sizes, out_rows, "output", self.rank(), self.size())
 
-        def finish(got):
-            data, from_each = got
-            if wanted is not None and [int(r) for r in from_each] != wanted:
-                raise UsageError(f"{BACKEND} backend: all_to_all_single on rank "
-                                 f"{self.rank()}: received rows {list(map(int, from_each))}, "
-                                 f"output_split_sizes {wanted}")
-            _same_size(data.size, out.array.size, "all_to_all_single: output", self.rank())
-            return [out.fill(data)]
-        return self._submit(_blocking(opts), "alltoall",
-                            (staged.array.reshape(max(rows, 1), -1), splits), {}, finish,
-                            "all_to_all_single")
+            def finish(got):
+                data, from_each = got
+                if [int(r) for r in from_each] != wanted:
+                    raise UsageError(f"{BACKEND} backend: all_to_all_single on rank "
+                                     f"{self.rank()}: received rows "
+                                     f"{list(map(int, from_each))}, output rows {wanted}")
+                return [out.fill(data)]
+            return (staged.array.reshape(max(rows, 1), -1), splits), {}, finish
+        return self._start(opts, "alltoall", build)
 
     all_to_all_single = alltoall_base
 
     def alltoall(self, outputs, inputs, opts=None):
-        ins = [Staged(t, "all_to_all") for t in inputs]
-        outs = [Staged(t, "all_to_all") for t in outputs]
-        _same_size(len(ins), self.size(), "all_to_all: input tensors", self.rank())
-        data = np.concatenate([s.array.reshape(-1) for s in ins])
-
-        def finish(got):
-            received, from_each = got
-            at = 0
-            for rank, out in enumerate(outs):
-                _same_size(int(from_each[rank]), out.array.size,
-                           f"all_to_all: from rank {rank}", self.rank())
-                out.fill(received[at:at + out.array.size])
-                at += out.array.size
-            return outputs
-        return self._submit(_blocking(opts), "alltoall", (data, [s.array.size for s in ins]),
-                            {}, finish, "all_to_all")
+        def build():
+            ins = [Staged(t, "all_to_all") for t in inputs]
+            outs = [Staged(t, "all_to_all") for t in outputs]
+            for side, staged in (("input", ins), ("output", outs)):
+                _same_size(len(staged), self.size(), f"all_to_all: {side} tensors",
+                           self.rank(), "tensors")
+            data = np.concatenate([s.array.reshape(-1) for s in ins])
+            return (data, [s.array.size for s in ins]), {}, lambda got: (
+                _fill_from_each(outs, got, "all_to_all", self.rank()), outputs)[1]
+        return self._start(opts, "alltoall", build)
 
     # ---- barrier and messages ----
 
@@ -353,13 +397,13 @@ class ProcessGroupRingsync(dist.ProcessGroup):
         staged = Staged(_one(tensors, "send"), "send")
         name = self._message_name("send", self.rank(), dst, tag)
         return self._submit(False, "send", (staged.array, dst), dict(name=name),
-                            lambda _: tensors, "send")
+                            lambda _: tensors)
 
     def recv(self, tensors, src: int, tag: int = 0):
         staged = Staged(_one(tensors, "recv"), "recv")
         name = self._message_name("recv", src, self.rank(), tag)
         work = self._submit(False, "recv", (staged.array, src), dict(name=name),
-                            lambda _: [staged.copy_back()], "recv")
+                            lambda _: [staged.copy_back()])
         work._source = src
         return work
 
