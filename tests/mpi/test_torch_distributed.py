@@ -93,3 +93,19 @@ def test_the_ddp_example_learns_alike_on_ringsync_and_gloo():
         assert found, output
         accuracy[backend] = found.group(1)
     assert accuracy["ringsync"] == accuracy["gloo"], accuracy
+
+
+def test_user_code_ends_where_gloo_does():
+    """DDP's hooks and join, ZeroRedundancyOptimizer, FSDP2's options and
+    torch.distributed.checkpoint (check_user_code, which also checks each against one
+    process where there is a reference) end with the very same parameters on ringsync
+    as on gloo: on 2 ranks every sum has one order."""
+    digests = {}
+    for backend in ("ringsync", "gloo"):
+        status, output = torchrun(2, backend, "user_code")
+        assert status == 0 or backend == "gloo", output  # (gloo's exit: see below)
+        for rank in range(2):
+            assert f"--- user code done ({backend}, rank {rank})" in output, output
+        digests[backend] = sorted(set(re.findall(r"--- digest ([^:]+): (\w+) \(rank", output)))
+        assert len(digests[backend]) == 7, output  # (one per variant: alike on both ranks)
+    assert digests["ringsync"] == digests["gloo"], digests

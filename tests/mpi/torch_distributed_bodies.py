@@ -260,18 +260,146 @@ def check_training(backend):
                                        err_msg=f"{name}: parameter {i} on rank {rank}")
 
 
-def train_fsdp(fully_shard, model, data, shard):
+def train_fsdp(fully_shard, model, data, shard, **options):
+    train(fully_shard_layers(fully_shard, model, **options), data, shard)
+    return [p.full_tensor().detach().clone() for p in model.parameters()]
+
+
+def digest(params) -> str:
+    import hashlib
+    return hashlib.sha256(b"".join(p.numpy().tobytes() for p in params)).hexdigest()[:16]
+
+
+def fully_shard_layers(fully_shard, model, **options):
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
-    train(model, data, shard)
-    return [p.full_tensor().detach().clone() for p in model.parameters()]
+            fully_shard(layer, **options)
+    fully_shard(model, **options)
+    return model
+
+
+def train_joined(model, data, rank, size, lr=0.1):
+    """Uneven inputs: rank r trains on the first len(data) - r batches (its shard of
+    them), under DDP's join; on one process (model not DDP), the joined ranks' shards
+    count as zeros, as DDP's join averages over the initial world size."""
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    if not isinstance(model, DDP):
+        for k, (x, y) in enumerate(data):
+            opt.zero_grad()
+            active = range(min(size, len(data) - k))
+            sum(torch.nn.functional.mse_loss(model(x.chunk(size)[r]), y.chunk(size)[r])
+                for r in active).div(size).backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+    with Join([model]):
+        for x, y in data[:len(data) - rank]:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x.chunk(size)[rank]),
+                                         y.chunk(size)[rank]).backward()
+            opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def checkpoint_round_trip(fully_shard, model, data, shard):
+    """FSDP2 training, torch.distributed.checkpoint save, load into a model that started
+    elsewhere (seed 1): the loaded parameters."""
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    train(fully_shard_layers(fully_shard, model), data, shard)
+    path = [tempfile.mkdtemp(prefix="dcp-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=path[0])
+    fresh = fully_shard_layers(fully_shard, model_and_batches(seed=1)[0])
+    state = {"model": fresh.state_dict()}
+    dcp.load(state, checkpoint_id=path[0])
+    fresh.load_state_dict(state["model"])
+    dist.barrier()
+    if dist.get_rank() == 0:
+        import shutil
+        shutil.rmtree(path[0])
+    return [p.full_tensor().detach().clone() for p in fresh.parameters()]
+
+
+def train_zero(model, data, shard, lr=0.1):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=lr,
+                                  momentum=0.9)
+    for x, y in data:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(shard(x)), shard(y)).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def user_code_variants(rank, size):
+    """name -> (run(fresh model, data) -> parameters, what one process ends with, rtol):
+    DDP's communication hooks, join, ZeroRedundancyOptimizer, FSDP2's options and
+    torch.distributed.checkpoint, as their users write them. (DDP's bf16 hook is left
+    out: torch itself allows it only on NCCL.)"""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def shard(t):
+        return t.chunk(size)[rank]
+
+    def hooked(state, hook):
+        def run(model, data):
+            ddp = DDP(model)
+            ddp.register_comm_hook(state() if state else None, hook)
+            return train(ddp, data, shard)
+        return run
+
+    def power_sgd():  # (compressing from the third step on: rank-1 approximations)
+        return powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                           start_powerSGD_iter=2, min_compression_rate=0.0)
+    plain = "the same as one process"
+    return {
+        "ddp fp16 compress hook": (hooked(None, default_hooks.fp16_compress_hook), plain,
+                                   1e-3),
+        "ddp PowerSGD hook": (hooked(power_sgd, powerSGD_hook.powerSGD_hook), None, None),
+        "ddp join (uneven inputs)": (lambda m, d: train_joined(DDP(m), d, rank, size),
+                                     "joined", 1e-10),
+        "ZeroRedundancyOptimizer": (lambda m, d: train_zero(DDP(m), d, shard), plain, 1e-10),
+        "fsdp2 reshard_after_forward=False": (lambda m, d: train_fsdp(
+            fully_shard, m, d, shard, reshard_after_forward=False), plain, 1e-10),
+        "fsdp2 mixed precision (float32 compute)": (lambda m, d: train_fsdp(
+            fully_shard, m, d, shard, mp_policy=MixedPrecisionPolicy(
+                param_dtype=torch.float32, reduce_dtype=torch.float32)), plain, 1e-5),
+        "fsdp2 + torch.distributed.checkpoint": (lambda m, d: checkpoint_round_trip(
+            fully_shard, m, d, shard), plain, 1e-10),
+    }
+
+
+def check_user_code(backend):
+    """Each variant ends with the same parameters on every rank, near what one process
+    ends with (PowerSGD: a lossy approximation, so no reference here); each prints a
+    digest of its parameters, which test_user_code_ends_where_gloo_does compares across
+    backends."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    model, data = model_and_batches()
+    references = {"the same as one process": train(model, data),
+                  "joined": train_joined(model_and_batches()[0], data, rank, size)}
+    for name, (run, reference, rtol) in user_code_variants(rank, size).items():
+        got = run(model_and_batches()[0], data)
+        flat = torch.cat([p.reshape(-1) for p in got])
+        everyone = [torch.empty_like(flat) for _ in range(size)]
+        dist.all_gather(everyone, flat)
+        for r, theirs in enumerate(everyone):
+            assert torch.equal(theirs, flat), f"{name}: rank {r}'s parameters differ"
+        if reference is not None:
+            want = torch.cat([p.reshape(-1) for p in references[reference]])
+            np.testing.assert_allclose(flat.numpy(), want.numpy(), rtol=rtol, atol=rtol / 10,
+                                       err_msg=f"{name} on rank {rank}")
+        print(f"--- digest {name}: {digest(got)} (rank {rank})", flush=True)
 
 
 CHECKS = [check_all_reduce, check_non_contiguous_and_bitwise, check_data_movement,
           check_reductions_that_scatter, check_all_to_all, check_messages_and_objects,
-          check_groups, check_training]
+          check_groups, check_training, check_user_code]
 
 
 def run_checks(backend):
@@ -400,6 +528,14 @@ def bad_arguments_fail_on_every_rank(backend):
         want = [size * i + 10.0 * sum(range(size)) for i in range(3)]
         assert t.tolist() == want, (name, rank, t.tolist(), want)
         print(f"--- rank {rank} {name}: the next all_reduce works", flush=True)
+    dist.destroy_process_group()
+
+
+def user_code(backend):
+    """check_user_code alone (its digests compared across backends)."""
+    dist.init_process_group(backend)
+    check_user_code(backend)
+    print(f"--- user code done ({backend}, rank {dist.get_rank()})", flush=True)
     dist.destroy_process_group()
 
 

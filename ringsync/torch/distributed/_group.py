@@ -3,9 +3,14 @@ ringsync Communicator (one ring per group).
 
 torch calls these methods by name, from Python (the dist.* functions) and from C++ (DDP's
 reducer, functional collectives, FSDP2): the names and argument orders are torch's.
-A call whose options say it is synchronous (async_op=False) runs the ring's blocking entry
-point on the caller's thread (the same-host lane where it can); the others start a
-ringsync Handle whose future the group's Completer completes (see _work.py).
+torch matches a group's collectives in the order ranks issue them, whether a rank waits
+for one (async_op=False) or not: DDP's join, for one, has a joined rank make blocking
+all_reduces that match the others' asynchronous ones. So the road a call takes here
+depends only on what every rank agrees on, its kind and size, never on async_op: a small
+allreduce (up to one round of the same-host lane) runs on the caller's thread through the
+ring's blocking entry point and returns a Work already done; every other call starts a
+ringsync Handle, waited for on the caller's thread when torch waits at once, else by the
+group's Completer, which completes the Work's future (see _work.py).
 """
 import collections
 from datetime import timedelta
@@ -17,6 +22,12 @@ from ringsync.errors import UsageError
 
 from ._convert import BACKEND, BITWISE, Staged, reduce_bitwise, reduction
 from ._work import Completer, RingsyncWork, as_torch_error
+
+
+# Allreduces up to this size run on the caller's thread where the ring has the same-host
+# lane (one round of it, as the lane's own RS_LANE_MAX_BYTES): waiting there costs less
+# than handing the call to the engine and the Completer.
+ON_CALLER_MAX_BYTES = 256 << 10
 
 
 def _blocking(opts) -> bool:
@@ -37,6 +48,12 @@ def _one(tensors, what):
         raise UsageError(f"{BACKEND} backend: {what} takes one tensor per rank, got "
                          f"{len(tensors)}")
     return tensors[0]
+
+
+def _nbytes(tensors) -> int:
+    """The bytes of a call's one tensor, as the peers see theirs (-1: none to see)."""
+    t = tensors[0] if isinstance(tensors, (list, tuple)) and len(tensors) == 1 else None
+    return t.numel() * t.element_size() if hasattr(t, "element_size") else -1
 
 
 def _same_size(got: int, want: int, what: str, rank: int, unit: str = "elements"):
@@ -85,6 +102,9 @@ class ProcessGroupRingsync(dist.ProcessGroup):
         self._names = {"group": "", "desc": ""}
         self._completer = Completer(f"rank{rank}")
         self._messages = collections.Counter()  # (direction, peer, tag) -> messages so far
+        # Allreduces up to this many bytes run on the caller's thread (see the top).
+        self._on_caller_bytes = min(comm.config.lane_bytes, ON_CALLER_MAX_BYTES) \
+            if comm.uses_lane else -1
 
     # ---- what torch asks of every group ----
 
@@ -115,26 +135,35 @@ class ProcessGroupRingsync(dist.ProcessGroup):
 
     # ---- submitting ----
 
-    def _start(self, opts, method: str, build, count=None):
+    def _start(self, opts, method: str, build, count=None, nbytes=-1):
         """One collective: build() checks this rank's arguments and returns (args, kwargs,
-        finish); comm.<method>(*args, **kwargs) then runs on this thread (blocking opts)
-        or as its asynchronous form with the Completer, and finish turns the raw result
-        into the Work's value. A check that fails here refuses the call on the ring, so
-        that the peers' same call fails too instead of waiting for this rank; count: the
-        number of tensors of a grouped call."""
+        finish); comm.<method>(*args, **kwargs) then runs (see _submit) and finish turns
+        the raw result into the Work's value. A check that fails here refuses the call on
+        the ring, as the peers make it, so that their same call fails too instead of
+        waiting for this rank; count: the number of tensors of a grouped call; nbytes:
+        the size of an allreduce's tensor (its road)."""
         try:
             args, kwargs, finish = build()
         except (TypeError, ValueError) as exc:
-            self.comm.refuse_call(method.rstrip("_"), None, exc, count)
+            self._refuse(method, exc, count, nbytes)
             raise
         return self._submit(_blocking(opts), method, args, kwargs, finish)
+
+    def _runs_on_caller(self, method: str, nbytes: int) -> bool:
+        return method.startswith("allreduce") and 0 <= nbytes <= self._on_caller_bytes
+
+    def _refuse(self, method: str, exc: Exception, count=None, nbytes=-1) -> None:
+        self.comm.refuse_call(method.rstrip("_"), None, exc, count,
+                              blocking=self._runs_on_caller(method, nbytes))
 
     def _submit(self, blocking: bool, method: str, args, kwargs, finish):
         comm = self.comm
         try:
-            if blocking:
+            if self._runs_on_caller(method, getattr(args[0], "nbytes", -1)):
                 return RingsyncWork.done(finish(getattr(comm, method)(*args, **kwargs)))
             handle = getattr(comm, _async_name(method))(*args, **kwargs)
+            if blocking:
+                return RingsyncWork.done(finish(comm.synchronize(handle)))
         except Exception as exc:
             raise as_torch_error(exc) from None
         return self._completer.add(lambda: comm.synchronize(handle), finish)
@@ -158,8 +187,8 @@ class ProcessGroupRingsync(dist.ProcessGroup):
             staged = Staged(_one(tensors, what), what)
             code, pre = reduction(op, staged.tensor, what)
         except (TypeError, ValueError) as exc:  # (bitwise or not: the peers' call says)
-            self.comm.refuse_call("allgather" if getattr(op, "op", op) in BITWISE
-                                  else "allreduce", None, exc)
+            self._refuse("allgather" if getattr(op, "op", op) in BITWISE else "allreduce",
+                         exc, nbytes=_nbytes(tensors))
             raise
 
         def finish_bitwise(gathered):

@@ -75,8 +75,14 @@ class RingsyncWork(dist.Work):
 
 
 class Completer:
-    """One thread per process group: waits for the group's handles in the order they were
-    started (the order ranks started them in) and completes their futures."""
+    """One thread per process group waits for the group's handles in the order they were
+    started (the order ranks started them in) and completes their futures.
+
+    Completing a future runs the callbacks chained on it (`then`) on this thread, and a
+    callback may start a collective and wait for it (DDP's PowerSGD hook does): a
+    collective started from the waiting thread itself hands the waiting over to a new
+    thread, and the old one leaves once its callback returns, so that nothing waits for
+    itself and the handles are still waited for one at a time, in order."""
 
     def __init__(self, name: str):
         self._name = name
@@ -96,16 +102,18 @@ class Completer:
             thread, self._thread = self._thread, None
         if thread is not None:
             self._queue.put(None)
-            thread.join()
+            if thread is not threading.current_thread():
+                thread.join()
 
     def _ensure_thread(self) -> None:
         with self._lock:
-            if self._thread is None:
+            if self._thread is None or self._thread is threading.current_thread():
                 self._thread = threading.Thread(target=self._run, daemon=True,
                                                 name=f"ringsync-completer-{self._name}")
                 self._thread.start()
 
     def _run(self) -> None:
+        me = threading.current_thread()
         while True:
             item = self._queue.get()
             if item is None:
@@ -117,3 +125,5 @@ class Completer:
                 future.set_exception(as_torch_error(exc))
             else:
                 future.set_result(value)
+            if self._thread not in (me, None):  # (handed over from inside a callback)
+                return
