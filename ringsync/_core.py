@@ -234,14 +234,13 @@ class Communicator(GroupedCollectives, PointToPoint):
             self._submitter.refuse(names, kind, exc, blocking)
             raise
 
-    def refuse_call(self, collective: str, name, error: Exception, count=None,
-                    blocking: bool = True) -> None:
+    def refuse_call(self, collective: str, name, error: Exception, count=None, blocking=True):
         """An adapter's own check of a blocking call failed here with `error` before the
         call reached this communicator: name it as this communicator would have (so that
         unnamed calls keep their numbers alike on every rank) and refuse it, so that the
         peers' same call fails too instead of waiting (see Submitter.refuse). collective:
         "allreduce", "grouped_allgather", ...; count: a group's number of tensors;
-        blocking: whether the peers make the call blocking (in call order) or by name."""
+        blocking: the peers make it blocking (matched in call order), not by name."""
         kind = _REFUSABLE[collective.replace("grouped_", "")]
         try:
             first = self._name(name, collective)

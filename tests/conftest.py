@@ -35,6 +35,8 @@ SLOW_FRAMEWORKS = [
     "tests/mpi/test_torch_distributed.py::test_a_late_rank_is_a_dist_backend_error_*",
     "tests/mpi/test_torch_distributed.py::test_different_collectives_fail_on_every_*",
     "tests/mpi/test_torch_distributed.py::test_the_ddp_example_learns_alike_*",
+    "tests/mpi/test_torch_distributed.py::test_user_code_ends_where_gloo_does",
+    "tests/mpi/test_launcher.py::test_a_plain_ddp_script_runs_under_ringsync_run_as_*",
     "tests/mpi/test_torch.py::test_torch[3]",
     "tests/mpi/test_torch.py::test_pytorch_examples_learn",
     "tests/mpi/test_horovod_tensorflow.py::test_horovod_tensorflow_api[3]",

@@ -4,8 +4,10 @@ As horovodrun: the whole environment is exported to the ranks (but is_exportable
 exceptions), output lines are tagged with the rank, ranks are placed with ``--bind-to
 none --map-by slot``, and horovodrun's options that set a ringsync setting become ``-x
 RINGSYNC_X=value`` (HOROVODRUN_SETTINGS); the ssh port and identity, timestamps and
-binding act on the command. The MPI families spell their options differently (Open MPI's
--x and -H, Hydra's -genvlist and -hosts): mpi_flavor tells them apart.
+binding act on the command. Each rank starts as ringsync.launch.rank_env, which gives it
+torch.distributed's env:// variables, as torchrun does, and then execs the program. The
+MPI families spell their options differently (Open MPI's -x and -H, Hydra's -genvlist and
+-hosts): mpi_flavor tells them apart.
 
 Nothing here runs a job (ringsync.launch.process does); MPI is only asked its version.
 """
@@ -18,12 +20,14 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 
 from ringsync.bootstrap import JOB_STATUS_DIR_ENV
 from ringsync.config import ENV_PREFIX, env_of, number_text, setting_fields
 from ringsync.errors import LauncherError
+from ringsync.launch import rank_env
 from ringsync.launch.hosts import available_slots
 
 OPEN_MPI = "openmpi"
@@ -157,6 +161,61 @@ def program_command(program: list[str]) -> list[str]:
     if program and program[0].endswith(".py"):
         return [sys.executable] + program
     return list(program)
+
+
+def rank_command(flavor: str, options: RunOptions, environ=None) -> list[str]:
+    """What mpirun starts as each rank: ringsync.launch.rank_env, which gives the rank
+    torch.distributed's env:// variables and then execs the program. RANK differs per
+    process, so mpirun's -x cannot give it; under an MPI of unknown family the per-process
+    variables are unknown too, and the program starts as it is."""
+    if flavor not in (OPEN_MPI, MPICH):
+        return program_command(options.program)
+    option_of = {name: option for option, name in rank_env.MASTER_OPTIONS.items()}
+    master = [f"{option_of[name]}={value}"
+              for name, value in master_variables(options, environ).items()]
+    return ([sys.executable, "-m", rank_env.__name__, *master, "--"]
+            + program_command(options.program))
+
+
+def master_variables(options: RunOptions, environ=None) -> dict[str, str]:
+    """MASTER_ADDR and MASTER_PORT for the ranks, but those the launcher's environment
+    sets: those reach the ranks with the rest of it, and win."""
+    environ = os.environ if environ is None else environ
+    values = {}
+    if "MASTER_ADDR" not in environ:
+        values["MASTER_ADDR"] = master_address(options.hosts, options.hostfile)
+    if "MASTER_PORT" not in environ:
+        values["MASTER_PORT"] = str(free_port())
+    return values
+
+
+def master_address(hosts: str | None, hostfile: str | None) -> str:
+    """Where rank 0 runs (--map-by slot fills the first host first), so where torch's
+    store listens: the first host of -H (which wins over the hostfile, as for slots) or of
+    the hostfile; this host's loopback when every rank is local."""
+    if hosts:
+        return host_name(next(entry for entry in hosts.split(",") if entry.strip()))
+    if hostfile:
+        with open(hostfile) as f:  # (read already, and found to name a host, for its slots)
+            lines = [line.split("#", 1)[0].split() for line in f]
+        return host_name(next(words[0] for words in lines if words))
+    return "127.0.0.1"
+
+
+def host_name(entry: str) -> str:
+    """The host of a ``host[:slots]`` entry."""
+    name, _, slots = entry.strip().rpartition(":")
+    return name if name and slots.isdigit() else entry.strip()
+
+
+@functools.lru_cache(maxsize=None)
+def free_port() -> int:
+    """A TCP port free on this host, for rank 0's torch store. Chosen once per launcher
+    process, so that the same options always build the same command; a later job of the
+    same process (ringsync.bench's) starts once the last has ended and freed it."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 @dataclasses.dataclass
@@ -304,7 +363,7 @@ def build_mpirun_command(
         # get an error they can recover from.
         command += ["--with-ft", "ulfm"]
     command += value_flags(flavor, settings)
-    return command + extra + program_command(options.program)
+    return command + extra + rank_command(flavor, options, environ)
 
 
 def value_flags(flavor: str, settings: dict[str, str]) -> list[str]:

@@ -1,5 +1,7 @@
 """The ringsync command starting real jobs under mpirun: every rank runs, the program's
-exit status comes back, Ctrl-C (SIGINT) ends the ranks, and doctor reports the MPI.
+exit status comes back, Ctrl-C (SIGINT) ends the ranks, doctor reports the MPI, and each
+rank gets torch.distributed's env:// variables (ringsync.launch.rank_env), so that a
+plain DDP script runs as under torchrun.
 
 The command's one-process tests (mpirun command building with a pretend MPI, signals
 passed on to a stand-in for mpirun) are in tests/unit/launch/."""
@@ -14,12 +16,28 @@ import uuid
 
 import pytest
 
-from ringsync.launch import cli
+from ringsync.errors import LauncherError
+from ringsync.launch import cli, rank_env
+from tests.common.jobs import run_to_deadline
 
 pytestmark = pytest.mark.requires_mpirun
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(cli.__file__))))  # ringsync/launch/cli.py: three levels down
+
+
+DEADLINE_S = 300  # a job whose ranks import torch: seconds each, on two cores
+
+# torch.distributed's env:// variables, as torchrun sets them.
+TORCH_ENV_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                   "MASTER_PORT")
+
+
+def launcher_env(**extra):
+    """The launcher tests' environment, less any env:// variable of this process (it
+    would reach the ranks and win over the launcher's)."""
+    env = {name: value for name, value in os.environ.items() if name not in TORCH_ENV_NAMES}
+    return dict(env, PYTHONPATH=PACKAGE_ROOT, PYTHONUNBUFFERED="1", **extra)
 
 
 def run_cli(*argv, env=None, **kwargs):
@@ -133,3 +151,121 @@ def test_horovodrun_options_reach_the_ranks(tmp_path):
         assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE"} <= {e["name"] for e in spans}, rank
         assert any(e["name"] == "CYCLE_START" for e in events if e["pid"] == rank), rank
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "rank.py", "trace.json"]
+
+
+OPEN_MPI_RANK = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
+                 "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+HYDRA_RANK = {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
+MASTER = {"MASTER_ADDR": "node1", "MASTER_PORT": "29400"}
+
+
+@pytest.mark.parametrize("mpi_variables", [OPEN_MPI_RANK, HYDRA_RANK],
+                         ids=["openmpi", "hydra"])
+def test_rank_env_maps_the_mpi_launchers_variables(mpi_variables):
+    expected = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                **MASTER}
+    assert rank_env.rank_variables(mpi_variables, MASTER) == expected
+    # A RANK handed down from the launcher's environment would be every rank's: the MPI
+    # launcher's per-rank value replaces it; the user's MASTER_PORT is kept.
+    user_set = dict(mpi_variables, RANK="0", MASTER_PORT="1234")
+    assert rank_env.rank_variables(user_set, MASTER) == {
+        name: value for name, value in expected.items() if name != "MASTER_PORT"}
+    # A variable this MPI launcher lacks is named.
+    lacking = {name: value for name, value in mpi_variables.items()
+               if not name.endswith(("LOCAL_SIZE", "LOCALNRANKS"))}
+    with pytest.raises(LauncherError, match=r"(OMPI_COMM_WORLD_LOCAL_SIZE|MPI_LOCALNRANKS) "
+                                            r"is not set, so this rank's LOCAL_WORLD_SIZE"):
+        rank_env.rank_variables(lacking, MASTER)
+    with pytest.raises(LauncherError, match="neither OMPI_COMM_WORLD_RANK .* nor PMI_RANK"):
+        rank_env.rank_variables({}, MASTER)
+    # The program's own words, "--" included, are never the wrapper's.
+    assert rank_env.parse_arguments(
+        ["--master-addr=node1", "--master-port=29400", "--", "prog", "--master-addr=x", "--"]
+    ) == (MASTER, ["prog", "--master-addr=x", "--"])
+
+
+def run_rank_env(*argv, env):
+    """`python -m ringsync.launch.rank_env ARGV` as one rank would run it: (the process,
+    its stdout, its stderr)."""
+    job = subprocess.Popen([sys.executable, "-m", "ringsync.launch.rank_env", *argv],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=dict(launcher_env(), **env))
+    try:
+        out, err = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    return job, out, err
+
+
+def test_rank_env_execs_the_program_or_says_what_is_missing():
+    """The program replaces the wrapper (the same PID, its own exit status), with the
+    variables set; a missing MPI variable is one line naming it, not a traceback."""
+    show = ("import json, os, sys\n"
+            "print(json.dumps(dict({n: os.environ.get(n) for n in %r}, pid=os.getpid())))\n"
+            "sys.exit(7)\n" % (TORCH_ENV_NAMES,))
+    job, out, err = run_rank_env("--master-addr=node1", "--master-port=29400", "--",
+                                 sys.executable, "-c", show, env=OPEN_MPI_RANK)
+    assert job.returncode == 7, out + err
+    assert json.loads(out) == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+                               "LOCAL_WORLD_SIZE": "2", **MASTER, "pid": job.pid}
+    lacking = {name: value for name, value in HYDRA_RANK.items() if name != "MPI_LOCALRANKID"}
+    job, out, err = run_rank_env("--", sys.executable, "-c", "pass", env=lacking)
+    assert job.returncode == 1, out + err
+    assert err.strip() == ("ringsync.launch.rank_env: MPI_LOCALRANKID is not set, so this "
+                           "rank's LOCAL_RANK is not known; set LOCAL_RANK yourself"), err
+    job, out, err = run_rank_env("--", "no-such-program-ringsync", env=OPEN_MPI_RANK)
+    assert job.returncode == 127 and "cannot run 'no-such-program-ringsync'" in err, err
+
+
+def tagged_reports(stdout: str) -> dict:
+    """{rank: the JSON object it printed} from `ringsync run`'s rank-tagged output."""
+    reports = {}
+    for line in stdout.splitlines():
+        match = re.match(r"\[\d+,(\d+)\]<stdout>: (\{.*)", line)
+        assert match, f"untagged output line {line!r}"
+        reports[int(match.group(1))] = json.loads(match.group(2))
+    return reports
+
+
+def test_each_rank_gets_torchs_env_variables():
+    """As torchrun's: each rank its own RANK and LOCAL_RANK, the sizes, and one
+    MASTER_ADDR:MASTER_PORT (this host, all ranks being local) for them all; the program
+    is any executable (here the interpreter itself, not a .py file)."""
+    show = "import json, os; print(json.dumps({n: os.environ.get(n) for n in %r}))" % (
+        TORCH_ENV_NAMES,)
+    finished = run_cli("run", "-np", "2", sys.executable, "-c", show, env=launcher_env())
+    output = finished.stdout + finished.stderr
+    assert finished.returncode == 0, output
+    reports = tagged_reports(finished.stdout)
+    assert sorted(reports) == [0, 1], output
+    port = reports[0]["MASTER_PORT"]
+    assert port and port.isdigit(), output
+    for rank, report in reports.items():
+        assert report == {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+                          "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                          "MASTER_PORT": port}, output
+
+
+def test_a_plain_ddp_script_runs_under_ringsync_run_as_under_torchrun():
+    """examples/ddp_digits.py, not a word changed (init_process_group's env://), trains
+    under `ringsync run` to the very accuracy it reaches under torchrun: the launchers
+    give it the same ranks, and on 2 ranks a sum has one order."""
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    example = ["examples/ddp_digits.py", "--check"]
+    launchers = {
+        "ringsync run": [sys.executable, "-m", "ringsync.launch.cli", "run", "-np", "2"],
+        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                     "--nproc-per-node", "2"],
+    }
+    accuracy = {}
+    for name, launcher in launchers.items():
+        status, output = run_to_deadline(launcher + example, launcher_env(OMP_NUM_THREADS="1"),
+                                         DEADLINE_S, cwd=PACKAGE_ROOT)
+        assert status == 0, f"{name}: exit status {status}; every rank's output:\n{output}"
+        found = re.search(r"test accuracy on 2 ranks: ([0-9.]+)", output)
+        assert found, f"{name}: no accuracy printed; every rank's output:\n{output}"
+        accuracy[name] = found.group(1)
+    assert accuracy["ringsync run"] == accuracy["torchrun"], accuracy

@@ -5,12 +5,15 @@ and under mpirun (the world group on the job's MPI-built ring)."""
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
 from ringsync.testing import assert_mpi_ok
+from tests.common.jobs import run_to_deadline
 
 BODIES = "tests.mpi.torch_distributed_bodies"  # (named: pytest's process imports no torch)
 
@@ -26,16 +29,7 @@ def torchrun(nproc: int, *args, program=("-m", BODIES), env=None):
                f"--nproc-per-node={nproc}", *program, *args]
     environ = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
                    **(env or {}))
-    job = subprocess.Popen(command, cwd=ROOT, env=environ, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = job.communicate(timeout=DEADLINE_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(job.pid, signal.SIGKILL)
-        output, _ = job.communicate()
-        raise AssertionError(f"torchrun on {nproc} ranks passed the {DEADLINE_S} s deadline:\n"
-                             f"{output}")
-    return job.returncode, output
+    return run_to_deadline(command, environ, DEADLINE_S, cwd=ROOT)
 
 
 @pytest.mark.parametrize("backend,nproc", [("ringsync", 1), ("ringsync", 2), ("ringsync", 3),
@@ -55,10 +49,54 @@ def test_collective_matrix_under_mpirun(np_, tmp_path):
 
 
 def test_a_late_rank_is_a_dist_backend_error_within_the_timeout():
-    status, output = torchrun(2, "ringsync", "late_rank_times_out")
+    """...and ringsync's stall report names it first, as for its own collectives."""
+    status, output = torchrun(2, "ringsync", "late_rank_times_out",
+                              env={"RINGSYNC_STALL_CHECK_SECONDS": "1"})
     assert status == 0, output
     assert "--- rank 0 raised DistBackendError after" in output, output
-    assert "ranks [1]" in output, output  # ringsync names the rank it waited for
+    assert "waited 4.0 s for ranks [1]" in output, output  # (the rank it waited for)
+    assert re.search(r"ringsync: stall: tensor '[^']+' \(allreduce\) was submitted by "
+                     r"ranks \[0\] but ranks \[1\] have not", output), output
+
+
+def spawn_ranks(nproc: int, *args, env=None):
+    """The bodies module on nproc processes that meet through env:// (a TCPStore on rank
+    0), started here rather than by torchrun, which would kill the others once one dies;
+    returns each rank's (exit status, output), every rank killed at the deadline."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    jobs = []
+    for rank in range(nproc):
+        environ = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                       WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), **(env or {}))
+        jobs.append(subprocess.Popen([sys.executable, "-m", BODIES, *args], cwd=ROOT,
+                                     env=environ, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True))
+    results, deadline = [], time.monotonic() + DEADLINE_S
+    for job in jobs:
+        try:
+            output, _ = job.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for other in jobs:
+                if other.poll() is None:
+                    os.killpg(other.pid, signal.SIGKILL)
+            output, _ = job.communicate()
+        results.append((job.returncode, output))
+    return results
+
+
+def test_a_dead_rank_fails_every_survivors_pending_work():
+    results = spawn_ranks(3, "ringsync", "a_dead_rank_fails_every_pending_call")
+    everything = "\n".join(f"=== rank {r} (exit {status}):\n{output}"
+                            for r, (status, output) in enumerate(results))
+    assert results[2][0] == -signal.SIGKILL, everything
+    for rank in range(2):
+        assert results[rank][0] == 0, everything
+        for what in ("async", "blocking"):
+            assert f"--- rank {rank} {what}: DistBackendError" in results[rank][1], everything
 
 
 def test_different_collectives_fail_on_every_rank_naming_both():
@@ -109,3 +147,31 @@ def test_user_code_ends_where_gloo_does():
         digests[backend] = sorted(set(re.findall(r"--- digest ([^:]+): (\w+) \(rank", output)))
         assert len(digests[backend]) == 7, output  # (one per variant: alike on both ranks)
     assert digests["ringsync"] == digests["gloo"], digests
+
+
+def test_tensors_off_the_cpu_go_to_the_groups_cuda_backend():
+    """The routing of "cpu:ringsync,cuda:nccl" (checked on a GPU by hand: see the README):
+    every collective whose tensors are not on the CPU goes to the group's NCCL backend,
+    under NCCL's method names; CPU tensors, or no such backend, stay on ringsync."""
+    torch = pytest.importorskip("torch")
+    from ringsync.torch.distributed._devices import FORWARDED, forward_cuda_to_nccl
+
+    class Accelerator:  # (records what reached it)
+        def __getattr__(self, name):
+            return lambda *args: ("nccl", name)
+
+    def own(name):
+        return lambda self, *args: ("ringsync", name)
+
+    def init(self, cuda):
+        self.cuda = cuda
+    Group = forward_cuda_to_nccl(type("Group", (), {"__init__": init,
+                                                    **{n: own(n) for n in FORWARDED}}))
+    off_cpu, on_cpu = torch.empty(2, device="meta"), torch.empty(2)
+    nccl_names = {"all_gather_single": "_allgather_base", "all_to_all_single": "alltoall_base",
+                  "reduce_scatter_single": "_reduce_scatter_base"}
+    for name in FORWARDED:
+        want = nccl_names.get(name, name)
+        assert getattr(Group(Accelerator()), name)([[off_cpu]], None) == ("nccl", want), name
+        assert getattr(Group(Accelerator()), name)(on_cpu, None) == ("ringsync", name), name
+        assert getattr(Group(None), name)([off_cpu], None) == ("ringsync", name), name

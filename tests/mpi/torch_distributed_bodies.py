@@ -452,6 +452,36 @@ def late_rank_times_out(backend):
     raise AssertionError(f"rank {rank}: all_reduce returned without rank 1")
 
 
+def a_dead_rank_fails_every_pending_call(backend):
+    """The last rank dies (SIGKILL) after the first all_reduce, while the others have a
+    large asynchronous all_reduce and a small blocking one to make with it: with a 60 s
+    group timeout, both fail on every survivor with DistBackendError well before it,
+    naming the dead rank; none hangs."""
+    import signal
+    import time
+    from datetime import timedelta
+    dist.init_process_group(backend, timeout=timedelta(seconds=60))
+    rank, size = dist.get_rank(), dist.get_world_size()
+    dist.all_reduce(torch.ones(2))
+    if rank == size - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    for what, call in (("async", lambda: dist.all_reduce(torch.ones(1 << 20), async_op=True)
+                        .wait()),
+                       ("blocking", lambda: dist.all_reduce(torch.ones(3)))):
+        try:
+            call()
+        except dist.DistBackendError as exc:
+            waited = time.monotonic() - start
+            print(f"--- rank {rank} {what}: DistBackendError after {waited:.1f} s: {exc}",
+                  flush=True)
+            assert waited < 30, waited
+            assert f"rank {size - 1}" in str(exc), exc
+        else:
+            raise AssertionError(f"rank {rank}: the {what} all_reduce returned without "
+                                 f"rank {size - 1}")
+
+
 def different_collectives_fail_naming_both(backend):
     """Rank 0 calls all_reduce, the others broadcast: every rank gets an error that names
     both calls (gloo would hang or mix the data up), and the group still works after."""

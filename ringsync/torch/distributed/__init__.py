@@ -6,6 +6,9 @@ runs on ringsync's ring:
     dist.init_process_group("ringsync")           # or "cpu:ringsync,cuda:nccl"
     model = DistributedDataParallel(model)
 
+CUDA tensors given to a ringsync group go to an NCCL backend that the group keeps over
+the same store, where the machine has CUDA and NCCL (see _devices.py).
+
 torch offers no entry point that registers a process-group backend without an import
 (its "torch.backends" entry points are for device extensions), hence the import.
 
@@ -24,6 +27,7 @@ from ringsync.config import Config
 from ringsync.rendezvous_store import StoreRendezvous
 
 from ._convert import BACKEND
+from ._devices import cuda_backend
 from ._group import ProcessGroupRingsync
 from ._work import RingsyncWork
 
@@ -37,15 +41,16 @@ def create_process_group(options, backend_options=None) -> ProcessGroupRingsync:
     timeout = options.timeout if isinstance(options.timeout, timedelta) else \
         timedelta(seconds=float(options.timeout))
     world = list(options.global_ranks_in_group or range(size))
+    cuda = cuda_backend(options.store, rank, size, timeout)
     job = default()
     if job is not None and world == list(range(job.size())) and job.size() == size \
             and job.rank() == rank:
-        return ProcessGroupRingsync(job, rank, size, timeout, owns_comm=False)
+        return ProcessGroupRingsync(job, rank, size, timeout, owns_comm=False, cuda=cuda)
     seconds = timeout.total_seconds()
     config = Config.from_env(timeout_seconds=seconds, start_timeout_seconds=seconds)
     rendezvous = StoreRendezvous(options.store, rank, size, timeout=seconds)
     comm = Communicator(rendezvous=rendezvous, config=config)
-    return ProcessGroupRingsync(comm, rank, size, timeout)
+    return ProcessGroupRingsync(comm, rank, size, timeout, cuda=cuda)
 
 
 def _register() -> None:

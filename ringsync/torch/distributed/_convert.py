@@ -38,8 +38,8 @@ class Staged:
                              f"{type(tensor).__name__}")
         if tensor.device.type != "cpu":
             raise UsageError(f"{BACKEND} backend: {what} got a tensor on {tensor.device}; "
-                             f"this backend carries CPU tensors (for GPUs name one per "
-                             f"device: init_process_group('cpu:ringsync,cuda:nccl'))")
+                             f"ringsync carries CPU tensors, and hands CUDA tensors to "
+                             f"NCCL only where torch has CUDA and NCCL")
         self.tensor = tensor
         self.host = tensor.detach()
         if not self.host.is_contiguous():

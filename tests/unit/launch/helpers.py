@@ -24,6 +24,11 @@ def program_part(command, first_word):
     return command[command.index(first_word):]
 
 
+def rank_program(command):
+    """The program each rank runs: what follows ringsync.launch.rank_env's "--"."""
+    return command[command.index("--", command.index("ringsync.launch.rank_env")) + 1:]
+
+
 def settings_given(command) -> dict:
     """{NAME: value} of the `-x NAME=value` pairs in an mpirun command."""
     return dict(command[i + 1].split("=", 1) for i, word in enumerate(command)

@@ -10,13 +10,13 @@ import pytest
 from ringsync.launch import cli, doctor, process
 from ringsync.launch import mpirun as mpirun_module
 
-from .helpers import FAKE_MPIRUN, dry_run, dry_run_and_messages, program_part, settings_given
+from .helpers import FAKE_MPIRUN, dry_run, dry_run_and_messages, rank_program, settings_given
 
 
 def test_np_and_program_arguments_pass_through_untouched(fake_mpi, capsys):
     command = dry_run(capsys, "-np", "2", "train.py", "-np", "3", "--verbose", "--", "x")
     assert command[:3] == [FAKE_MPIRUN, "-np", "2"]
-    assert program_part(command, sys.executable) == [
+    assert rank_program(command) == [
         sys.executable, "train.py", "-np", "3", "--verbose", "--", "x"]
     assert "--oversubscribe" not in command
     assert "--allow-run-as-root" not in command

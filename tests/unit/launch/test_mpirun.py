@@ -9,13 +9,15 @@ import pytest
 from ringsync.launch import cli
 from ringsync.launch import mpirun as mpirun_module
 
-from .helpers import dry_run
+from .helpers import dry_run, program_part, rank_program
 
 
 def test_mpi_args_and_discovery_options(fake_mpi, capsys, tmp_path):
     command = dry_run(capsys, "-np", "2", "--mpi-args=--prtemca plm_ssh_agent '/a b/agent'",
                       "a.py")
-    assert command[-5:] == ["--prtemca", "plm_ssh_agent", "/a b/agent", sys.executable, "a.py"]
+    assert program_part(command, "--prtemca")[:4] == [
+        "--prtemca", "plm_ssh_agent", "/a b/agent", sys.executable]
+    assert rank_program(command) == [sys.executable, "a.py"]
     script = tmp_path / "discover.sh"
     command = dry_run(capsys, "-np", "2", "-H", "a:2,b:2", "--elastic",
                       "--host-discovery-script", str(script), "a.py")
@@ -100,3 +102,28 @@ def test_the_ranks_get_the_status_directory(fake_mpi):
     assert "RINGSYNC_JOB_STATUS_DIR=/tmp/ringsync-job-x" in command
     assert not any("RINGSYNC_JOB_STATUS_DIR" in word
                    for word in mpirun_module.build_mpirun_command(options))
+
+
+def test_each_rank_starts_through_rank_env(fake_mpi, capsys, monkeypatch, tmp_path):
+    """ringsync.launch.rank_env gives the ranks torch's env:// variables: MASTER_ADDR is
+    the first host (of -H, else of the hostfile, else this one), MASTER_PORT the launcher's
+    choice, and a MASTER_* the launcher's environment sets is left to it."""
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+
+    def wrapper_options(*argv):
+        command = dry_run(capsys, *argv, "a.py")
+        at = command.index("ringsync.launch.rank_env")
+        return command[at + 1:command.index("--", at)]
+
+    port = str(mpirun_module.free_port())
+    assert wrapper_options("-np", "2") == ["--master-addr=127.0.0.1", f"--master-port={port}"]
+    assert wrapper_options("-np", "2", "-H", "n1:2,n2:2")[0] == "--master-addr=n1"
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# cluster\nnode1 slots=2\nnode2 slots=2\n")
+    assert wrapper_options("-np", "2", "--hostfile", str(hostfile))[0] == "--master-addr=node1"
+    monkeypatch.setenv("MASTER_PORT", "1234")
+    assert wrapper_options("-np", "2") == ["--master-addr=127.0.0.1"]
+    monkeypatch.setattr(mpirun_module, "mpi_flavor", lambda mpirun: mpirun_module.UNKNOWN)
+    assert dry_run(capsys, "-np", "2", "a.py")[-2:] == [sys.executable, "a.py"]
+    assert "ringsync.launch.rank_env" not in dry_run(capsys, "-np", "2", "a.py")
