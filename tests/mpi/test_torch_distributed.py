@@ -99,6 +99,16 @@ def test_a_dead_rank_fails_every_survivors_pending_work():
             assert f"--- rank {rank} {what}: DistBackendError" in results[rank][1], everything
 
 
+def test_a_script_that_never_destroys_its_group_exits_0():
+    """Left to the interpreter's exit, a group's threads and ring were torn down under
+    torch's, and about half such runs aborted ("terminate called without an active
+    exception"): four runs, each of which must exit 0."""
+    for attempt in range(4):
+        status, output = torchrun(2, "ringsync", "exits_without_destroying_its_group")
+        assert status == 0 and "terminate called" not in output, \
+            f"run {attempt}: exit status {status}:\n{output}"
+
+
 def test_different_collectives_fail_on_every_rank_naming_both():
     status, output = torchrun(3, "ringsync", "different_collectives_fail_naming_both")
     assert status == 0, output

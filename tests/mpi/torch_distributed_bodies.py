@@ -480,6 +480,19 @@ def a_dead_rank_fails_every_pending_call(backend):
         else:
             raise AssertionError(f"rank {rank}: the {what} all_reduce returned without "
                                  f"rank {size - 1}")
+    dist.destroy_process_group()  # (a broken group shuts down too)
+    print(f"--- rank {rank}: the group shut down", flush=True)
+
+
+def exits_without_destroying_its_group(backend):
+    """A script that never calls destroy_process_group (most do not): blocking and
+    asynchronous all_reduces, then the end of the program."""
+    dist.init_process_group(backend)
+    t = torch.ones(10)
+    dist.all_reduce(t)
+    dist.all_reduce(torch.ones(1 << 20), async_op=True).wait()
+    assert t.tolist() == [float(dist.get_world_size())] * 10, t
+    print(f"--- rank {dist.get_rank()} leaves its group as it is", flush=True)
 
 
 def different_collectives_fail_naming_both(backend):

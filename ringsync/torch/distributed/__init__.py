@@ -17,6 +17,8 @@ ring, built over the store torch hands the backend (TCPStore under torchrun or e
 FileStore under file://): no MPI needed. Where ringsync.init() already made the job's
 communicator over the same ranks (under mpirun, say), the world group uses that one.
 """
+import atexit
+import weakref
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -45,12 +47,34 @@ def create_process_group(options, backend_options=None) -> ProcessGroupRingsync:
     job = default()
     if job is not None and world == list(range(job.size())) and job.size() == size \
             and job.rank() == rank:
-        return ProcessGroupRingsync(job, rank, size, timeout, owns_comm=False, cuda=cuda)
+        return _live(ProcessGroupRingsync(job, rank, size, timeout, owns_comm=False,
+                                          cuda=cuda))
     seconds = timeout.total_seconds()
     config = Config.from_env(timeout_seconds=seconds, start_timeout_seconds=seconds)
     rendezvous = StoreRendezvous(options.store, rank, size, timeout=seconds)
     comm = Communicator(rendezvous=rendezvous, config=config)
-    return ProcessGroupRingsync(comm, rank, size, timeout, cuda=cuda)
+    return _live(ProcessGroupRingsync(comm, rank, size, timeout, cuda=cuda))
+
+
+def _live(group: ProcessGroupRingsync) -> ProcessGroupRingsync:
+    _live_groups.add(group)
+    return group
+
+
+# Groups not yet destroyed. A script need not call destroy_process_group(); the groups it
+# leaves are shut down at exit (their Completer threads stopped, their rings closed)
+# before the interpreter tears torch down under them, which aborted such ranks ("terminate
+# called without an active exception") about half the time.
+_live_groups = weakref.WeakSet()
+
+
+@atexit.register
+def _shut_down_groups_left() -> None:
+    for group in list(_live_groups):
+        try:
+            group.shutdown()
+        except Exception:  # (a group that failed already has nothing left to close)
+            pass
 
 
 def _register() -> None:

@@ -46,7 +46,7 @@ class ProcessGroupRingsync(Collectives, dist.ProcessGroup):
                  cuda=None):
         super().__init__(rank, size)
         self.comm, self.timeout, self._owns_comm = comm, timeout, owns_comm
-        self.cuda = cuda
+        self.cuda, self._shut = cuda, False
         self._names = {"group": "", "desc": ""}
         self._completer = Completer(f"rank{rank}")
         self._messages = collections.Counter()  # (direction, peer, tag) -> messages so far
@@ -72,7 +72,11 @@ class ProcessGroupRingsync(Collectives, dist.ProcessGroup):
         self._names["desc"] = desc
 
     def shutdown(self) -> None:
-        """destroy_process_group(): every member shuts its groups down in the same order."""
+        """destroy_process_group(): every member shuts its groups down in the same order
+        (or, for the groups left, the exit: see __init__.py)."""
+        if self._shut:
+            return
+        self._shut = True
         self._completer.stop()
         if self.cuda is not None:
             self.cuda.shutdown()
