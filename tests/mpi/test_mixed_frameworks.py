@@ -17,11 +17,10 @@ from .test_launcher import PACKAGE_ROOT, launcher_env
 pytestmark = pytest.mark.requires_mpirun
 
 DEADLINE_S = 300  # four ranks importing torch or TensorFlow on two cores
-RANKS = 4
 
 
-def run_mixed_example(*options):
-    command = [sys.executable, "-m", "ringsync.launch.cli", "run", "-np", str(RANKS),
+def run_mixed_example(ranks, *options):
+    command = [sys.executable, "-m", "ringsync.launch.cli", "run", "-np", str(ranks),
                "examples/mixed_ddp_keras.py", *options]
     env = launcher_env(OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3")
     return run_to_deadline(command, env, DEADLINE_S, cwd=PACKAGE_ROOT)
@@ -33,14 +32,15 @@ def per_rank(pattern, output):
             re.findall(r"rank (\d+) \((?:torch|keras)\): " + pattern, output)}
 
 
-def test_torch_and_keras_ranks_train_one_model_over_one_ring():
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_torch_and_keras_ranks_train_one_model_over_one_ring(ranks):
     pytest.importorskip("torch")
     pytest.importorskip("tensorflow")
     pytest.importorskip("sklearn")
-    status, output = run_mixed_example("--check", "--epochs", "2")
+    status, output = run_mixed_example(ranks, "--check", "--epochs", "2")
     assert status == 0, f"exit status {status}; every rank's output:\n{output}"
     checked = per_rank(r"(check passed)", output)
-    assert sorted(checked) == list(range(RANKS)), f"check lines missing:\n{output}"
+    assert sorted(checked) == list(range(ranks)), f"check lines missing:\n{output}"
     digests = per_rank(r"digest ([0-9a-f]{16})", output)
-    assert sorted(digests) == list(range(RANKS)), f"digest lines missing:\n{output}"
+    assert sorted(digests) == list(range(ranks)), f"digest lines missing:\n{output}"
     assert len(set(digests.values())) == 1, f"ranks ended apart: {digests}\n{output}"
