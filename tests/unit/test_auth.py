@@ -280,12 +280,18 @@ def test_silent_and_malformed_clients_neither_stall_nor_fail_setup(ring, capfd):
 def test_impostor_without_the_secret_is_rejected(ring, capfd, proof):
     """An impostor that knows the public job id claims rank 2 before rank 2 connects: it
     gets a challenge but cannot answer it, neither with a guess nor by sending the
-    acceptor's own MAC back. The real rank 2 then connects and the ring works."""
+    acceptor's own MAC back. The real rank 2 then connects and the ring works. (Rank 2
+    starts only once rank 0 has judged the impostor: setup cannot end before, so the
+    verdict is the proof's, never "did not complete the greeting before setup ended".)"""
     ranks = ring(3)
     impostor = Impostor(ranks[0].port, hello(2),
                         lambda c: os.urandom(32) if proof == "random" else c[16:])
-    assert connect_all(ranks) == [lib.RS_OK] * 3, [r.error for r in ranks]
+    ports = [r.port for r in ranks]
+    for r in ranks[:2]:
+        r.start_connect(ports)
     assert impostor.result() is False, "the impostor's connection was kept"
+    ranks[2].start_connect(ports)
+    assert [r.join() for r in ranks] == [lib.RS_OK] * 3, [r.error for r in ranks]
     assert_allreduce_works(ranks)
     err = capfd.readouterr().err
     assert "rank 0: dropped a connection from 127.0.0.1:" in err, err
