@@ -36,6 +36,7 @@ SLOW_FRAMEWORKS = [
     "tests/mpi/test_torch_distributed.py::test_different_collectives_fail_on_every_*",
     "tests/mpi/test_torch_distributed.py::test_the_ddp_example_learns_alike_*",
     "tests/mpi/test_torch_distributed.py::test_user_code_ends_where_gloo_does",
+    "tests/mpi/test_torch_distributed.py::test_a_two_by_two_mesh[gloo]",
     "tests/mpi/test_torch_distributed.py::test_a_script_that_never_destroys_its_group_*",
     "tests/mpi/test_launcher.py::test_a_plain_ddp_script_runs_under_ringsync_run_as_*",
     "tests/mpi/test_mixed_frameworks.py::test_torch_and_keras_ranks_train_one_model_over_one_ring[4]",

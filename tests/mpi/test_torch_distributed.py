@@ -143,6 +143,16 @@ def test_the_ddp_example_learns_alike_on_ringsync_and_gloo():
     assert accuracy["ringsync"] == accuracy["gloo"], accuracy
 
 
+@pytest.mark.parametrize("backend", ["ringsync", "gloo"])
+def test_a_two_by_two_mesh(backend):
+    """new_subgroups, a 2 x 2 DeviceMesh's groups, DTensor over it and HSDP training (one
+    process's parameters) on 4 ranks."""
+    status, output = torchrun(4, backend, "meshes")
+    assert status == 0 or backend == "gloo", output  # (gloo's exit: see below)
+    for rank in range(4):
+        assert f"--- meshes done ({backend}, rank {rank})" in output, output
+
+
 def test_user_code_ends_where_gloo_does():
     """DDP's hooks and join, ZeroRedundancyOptimizer, FSDP2's options and
     torch.distributed.checkpoint (check_user_code, which also checks each against one
@@ -155,7 +165,7 @@ def test_user_code_ends_where_gloo_does():
         for rank in range(2):
             assert f"--- user code done ({backend}, rank {rank})" in output, output
         digests[backend] = sorted(set(re.findall(r"--- digest ([^:]+): (\w+) \(rank", output)))
-        assert len(digests[backend]) == 7, output  # (one per variant: alike on both ranks)
+        assert len(digests[backend]) == 8, output  # (one per variant: alike on both ranks)
     assert digests["ringsync"] == digests["gloo"], digests
 
 

@@ -200,6 +200,37 @@ def check_groups(backend):
         assert b.item() == members[-1], b
 
 
+def check_subgroups_and_meshes(backend):
+    """new_subgroups, both dimensions of a 2-D DeviceMesh, DTensor redistributions over
+    it, and asynchronous calls of disjoint groups in flight together."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    rank, size = dist.get_rank(), dist.get_world_size()
+    sub, _ = dist.new_subgroups(group_size=2 if size % 2 == 0 else size)
+    mesh = init_device_mesh("cpu", mesh_shape(size), mesh_dim_names=("dp", "tp"))
+    groups = [sub, mesh.get_group("dp"), mesh.get_group("tp")]
+    works = []
+    for group in groups:
+        members = dist.get_process_group_ranks(group)
+        t = torch.tensor([float(rank + 1)] * 3)
+        works.append((dist.all_reduce(t, group=group, async_op=True), t, members))
+    for work, t, members in works:
+        work.wait()
+        assert t.tolist() == [float(sum(r + 1 for r in members))] * 3, (t, members)
+    x = torch.arange(24.0).reshape(6, 4)
+    for placements in ([Shard(0), Replicate()], [Shard(0), Shard(1)],
+                       [Replicate(), Shard(1)]):
+        d = distribute_tensor(x, mesh, placements)
+        assert torch.equal((d * 2).full_tensor(), x * 2), placements
+        back = d.redistribute(mesh, [Replicate(), Replicate()]).to_local()
+        assert torch.equal(back, x), placements
+
+
+def mesh_shape(size):
+    """(replicas, shards) of a 2-D mesh over `size` ranks."""
+    return (2, size // 2) if size % 2 == 0 else (size, 1)
+
+
 def model_and_batches(steps=4, batch=12, seed=0):
     """A float64 MLP and `steps` global batches (every rank builds the same ones)."""
     torch.manual_seed(seed)
@@ -371,7 +402,14 @@ def user_code_variants(rank, size):
                 param_dtype=torch.float32, reduce_dtype=torch.float32)), plain, 1e-5),
         "fsdp2 + torch.distributed.checkpoint": (lambda m, d: checkpoint_round_trip(
             fully_shard, m, d, shard), plain, 1e-10),
+        "fsdp2 HSDP (2-D mesh)": (lambda m, d: train_fsdp(
+            fully_shard, m, d, shard, mesh=hsdp_mesh(size)), plain, 1e-10),
     }
+
+
+def hsdp_mesh(size):
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh("cpu", mesh_shape(size), mesh_dim_names=("replicate", "shard"))
 
 
 def check_user_code(backend):
@@ -399,7 +437,7 @@ def check_user_code(backend):
 
 CHECKS = [check_all_reduce, check_non_contiguous_and_bitwise, check_data_movement,
           check_reductions_that_scatter, check_all_to_all, check_messages_and_objects,
-          check_groups, check_training, check_user_code]
+          check_groups, check_subgroups_and_meshes, check_training, check_user_code]
 
 
 def run_checks(backend):
@@ -571,6 +609,22 @@ def bad_arguments_fail_on_every_rank(backend):
         want = [size * i + 10.0 * sum(range(size)) for i in range(3)]
         assert t.tolist() == want, (name, rank, t.tolist(), want)
         print(f"--- rank {rank} {name}: the next all_reduce works", flush=True)
+    dist.destroy_process_group()
+
+
+def meshes(backend):
+    """check_subgroups_and_meshes and HSDP training alone (on 4 ranks: a 2 x 2 mesh)."""
+    dist.init_process_group(backend)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    check_subgroups_and_meshes(backend)
+    model, data = model_and_batches()
+    reference = train(model, data)
+    run, _, rtol = user_code_variants(rank, size)["fsdp2 HSDP (2-D mesh)"]
+    got = run(model_and_batches()[0], data)
+    for i, (a, b) in enumerate(zip(got, reference)):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=rtol, atol=rtol / 10,
+                                   err_msg=f"HSDP: parameter {i} on rank {rank}")
+    print(f"--- meshes done ({backend}, rank {rank})", flush=True)
     dist.destroy_process_group()
 
 
