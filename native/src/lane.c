@@ -241,6 +241,18 @@ static rs_status_t time_out(rs_lane_t *lane, uint64_t seq, const waiting_t *w, d
     return rs_error_set(&lane->error, RS_ERR_TIMEOUT, "%s", text);
 }
 
+/* Why a wait cannot go on (RS_OK: it can): the engine failed or was aborted (it has the
+ * words), the communicator is broken, or a peer is gone. */
+static rs_status_t wait_blocked(rs_lane_t *lane, const waiting_t *w, double *abort_seen) {
+    rs_status_t failed = w->failure ? __atomic_load_n(w->failure, __ATOMIC_ACQUIRE) : RS_OK;
+    if (failed)
+        return failed;
+    if (__atomic_load_n(&lane->comm->broken, __ATOMIC_RELAXED))
+        return rs_error_set(&lane->error, RS_ERR_COMM, "rank %d: communicator is broken by an "
+                            "earlier failure", lane->comm->rank);
+    return check_peers(lane, abort_seen);
+}
+
 /* Spin, then sleep in slices until ready(lane, seq); between slices, look at the engine's
  * failure, the communicator, the peers' sockets, and the stall and timeout deadlines. */
 static rs_status_t wait_for(rs_lane_t *lane, int (*ready)(const rs_lane_t *, uint64_t),
@@ -251,13 +263,11 @@ static rs_status_t wait_for(rs_lane_t *lane, int (*ready)(const rs_lane_t *, uin
         double now = rs_now();
         if (now < spin_until)
             continue;
-        rs_status_t failed = w->failure ? __atomic_load_n(w->failure, __ATOMIC_ACQUIRE) : RS_OK;
-        if (failed)
-            return failed; /* the engine failed (or was aborted): it has the words */
-        if (__atomic_load_n(&lane->comm->broken, __ATOMIC_RELAXED))
-            return rs_error_set(&lane->error, RS_ERR_COMM, "rank %d: communicator is broken by an "
-                                "earlier failure", lane->comm->rank);
-        RS_CHECK(check_peers(lane, &abort_seen));
+        rs_status_t blocked = wait_blocked(lane, w, &abort_seen);
+        if (blocked != RS_OK) /* A peer may have posted, finished the call and then shut
+                               * down (or died) since `ready` was read: what it posted
+                               * still completes this call here. */
+            return ready(lane, seq) ? RS_OK : blocked;
         if (!stall_reported && now - start >= lane->stall_seconds) {
             report_stall(lane, seq, w->name, w->kind, now - start);
             stall_reported = 1;
