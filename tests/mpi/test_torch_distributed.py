@@ -42,7 +42,7 @@ def test_collective_matrix_under_torchrun(backend, nproc):
 
 
 @pytest.mark.requires_mpirun
-@pytest.mark.parametrize("np_", [2, 3])
+@pytest.mark.parametrize("np_", [1, 2, 3])
 def test_collective_matrix_under_mpirun(np_, tmp_path):
     assert_mpi_ok(f"{BODIES}:under_mpirun", np=np_, timeout=DEADLINE_S,
                   args=(str(tmp_path / "rendezvous"),), env={"OMP_NUM_THREADS": "1"})
