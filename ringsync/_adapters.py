@@ -111,3 +111,17 @@ class CastCompressor(Compressor):
     @staticmethod
     def cast(tensor, dtype):
         raise NotImplementedError
+
+
+def cast_compression(module: str, is_floating, cast, fp16_dtype, bf16_dtype):
+    """A framework's (FP16Compressor, BF16Compressor, Compression), Horovod's names:
+    is_floating(tensor) -> bool and cast(tensor, dtype) are all that differ."""
+    base = type("CastCompressor", (CastCompressor,),
+                {"is_floating": staticmethod(is_floating), "cast": staticmethod(cast),
+                 "__module__": module})
+    fp16 = type("FP16Compressor", (base,), {"wire_dtype": fp16_dtype, "__module__": module})
+    bf16 = type("BF16Compressor", (base,), {"wire_dtype": bf16_dtype, "__module__": module})
+    compression = type("Compression", (), {"none": NoneCompressor, "fp16": fp16, "bf16": bf16,
+                                           "__module__": module,
+                                           "__doc__": "Horovod's gradient compressions."})
+    return fp16, bf16, compression

@@ -41,6 +41,8 @@ SLOW_FRAMEWORKS = [
     "tests/mpi/test_launcher.py::test_a_plain_ddp_script_runs_under_ringsync_run_as_*",
     "tests/mpi/test_mixed_frameworks.py::test_torch_and_keras_ranks_train_one_model_over_one_ring[4]",
     "tests/mpi/test_torch.py::test_torch[3]",
+    "tests/mpi/test_jax.py::*[1]",
+    "tests/mpi/test_jax.py::*[3]",
     "tests/mpi/test_torch.py::test_pytorch_examples_learn",
     "tests/mpi/test_horovod_tensorflow.py::test_horovod_tensorflow_api[3]",
     "tests/mpi/test_keras.py::test_horovods_tensorflow2_examples_learn",

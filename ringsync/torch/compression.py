@@ -1,23 +1,8 @@
 """Gradient compression for the wire: Compression.none, .fp16 and .bf16 (Horovod's names)."""
 import torch
 
-from .._adapters import CastCompressor, Compressor, NoneCompressor  # noqa: F401 (public names)
+from .._adapters import Compressor, NoneCompressor, cast_compression  # noqa: F401 (public)
 
-
-class _TorchCast(CastCompressor):
-    is_floating = staticmethod(lambda t: t.dtype.is_floating_point)
-    cast = staticmethod(lambda t, dtype: t.to(dtype))
-
-
-class FP16Compressor(_TorchCast):
-    wire_dtype = torch.float16
-
-
-class BF16Compressor(_TorchCast):
-    wire_dtype = torch.bfloat16
-
-
-class Compression:
-    none = NoneCompressor
-    fp16 = FP16Compressor
-    bf16 = BF16Compressor
+FP16Compressor, BF16Compressor, Compression = cast_compression(
+    __name__, lambda t: t.dtype.is_floating_point, lambda t, dtype: t.to(dtype),
+    torch.float16, torch.bfloat16)

@@ -591,6 +591,93 @@ def test_keras_fit_survives_a_kill(tmp_path):
         assert np.isfinite(r["loss"]) and r["loss"] < 1.0, r["loss"]
 
 
+# ------------------------------------------------------------------------------------ JAX
+
+
+def _jax_setup(seed: int):
+    """float64 data (the torch tests' rows, from numpy), a small MLP's parameters, a loss."""
+    import jax
+    jax.config.update("jax_enable_x64", True)
+    import jax.numpy as jnp
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(TORCH_ROWS, 6))
+    y = ((x[:, :3].sum(1) > 0).astype(np.int32) + (x[:, 3] > 1)).astype(np.int32)
+    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+    params = {"w1": jax.random.normal(k1, (6, 8)) * 0.5, "b1": jnp.zeros(8),
+              "w2": jax.random.normal(k2, (8, 3)) * 0.5, "b2": jnp.zeros(3)}
+
+    def loss(p, x, y):
+        logits = jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+        return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(y.shape[0]), y])
+
+    return x, y, params, loss
+
+
+def _jax_step(tx, loss):
+    import jax
+    import optax
+
+    @jax.jit
+    def step(params, opt_state, x, y):
+        updates, opt_state = tx.update(jax.grad(loss)(params, x, y), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+    return step
+
+
+def jax_training(marker: str = ""):
+    """JaxState (parameters and optax state as pytrees) + DistributedOptimizer in a jitted
+    step; the victim dies at the start of a chosen step."""
+    import jax
+    import optax
+    import ringsync.jax as hvd
+    me = original_rank()
+    hvd.init()
+    victims = [int(v) for v in os.environ.get("RINGSYNC_TEST_VICTIM", "-9").split(",")]
+    kill_step = int(os.environ.get("RINGSYNC_TEST_KILL_STEP", "6"))
+    x, y, params, loss = _jax_setup(100 + me if me >= 0 else 999)  # differs until sync()
+    tx = hvd.DistributedOptimizer(optax.sgd(0.1, momentum=0.9))
+    state = hvd.elastic.JaxState(params=params, opt_state=tx.init(params), step=0, sizes=[])
+    step, steps_run = _jax_step(tx, loss), []
+
+    @hvd.elastic.run
+    def train(state):
+        while state.step < TORCH_STEPS:
+            if me in victims and state.step == kill_step:
+                die("at step %d" % state.step)
+            rows = _rows(state.step, hvd.size(), hvd.rank())
+            state.params, state.opt_state = jax.block_until_ready(
+                step(state.params, state.opt_state, x[rows], y[rows]))
+            _step_done(state, hvd.size(), steps_run)
+
+    train(state)
+    # One process replaying the global batches of the steps as they were finally run.
+    reference = _jax_setup(100)[2]
+    sgd = optax.sgd(0.1, momentum=0.9)
+    replay, opt_state = _jax_step(sgd, loss), sgd.init(reference)
+    for i, size in enumerate(state.sizes):
+        rows = sum((_rows(i, size, r) for r in range(size)), [])
+        reference, opt_state = replay(reference, opt_state, x[rows], y[rows])
+    flat = [np.asarray(v).reshape(-1).tolist() for v in jax.tree.leaves(state.params)]
+    error = _max_error(flat, [np.asarray(v).reshape(-1).tolist()
+                              for v in jax.tree.leaves(reference)])
+    write_record({"original_rank": me, "rank": hvd.rank(), "size": hvd.size(),
+                  "params": flat, "error": error, "sizes": state.sizes,
+                  "steps_run": len(steps_run)})
+    hvd.shutdown()
+
+
+def test_jax_state_after_a_kill(tmp_path):
+    pytest.importorskip("jax")
+    pytest.importorskip("optax")
+    result, records = run_job(tmp_path, jax_training, 3, RINGSYNC_TEST_VICTIM=1,
+                              RINGSYNC_TEST_KILL_STEP=6, JAX_PLATFORMS="cpu")
+    assert_survivors_agree(result, records, 2)
+    for r in records:
+        assert r["params"] == records[0]["params"], "parameters differ between survivors"
+        assert r["error"] < 1e-10, r["error"]  # float64, against one process replaying
+        assert r["sizes"][:4] == [3] * 4 and set(r["sizes"][4:]) == {2}, r["sizes"]
+
+
 # --------------------------------------------------------------------------- the example
 
 

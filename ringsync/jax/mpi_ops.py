@@ -1,0 +1,288 @@
+"""Collectives on JAX arrays with Horovod's names, argument order and defaults, eagerly
+and inside `jax.jit` (and `grad`), differentiable where Horovod's torch functions are.
+
+Eager arrays reach the core as numpy views (a CPU array's host buffer); results come back
+as new arrays. Traced arrays (inside `jit`, `grad`, `lax.scan`...) become collectives of
+the compiled program: allreduce and its grouped and fused forms run as XLA FFI calls of
+the native core where it is loaded (ringsync/jax/_xla.py), the others as ordered
+`io_callback`s. Either way a program's collectives run in program order, one at a time, on
+the thread that runs the program, so ranks that run the same program match them in
+order, unnamed, as eager calls are. An eager call first waits for every collective that
+earlier dispatched programs still have to run (`jax.effects_barrier`), so the order in
+which a rank issues collectives is the order in which they run.
+
+Shapes inside a trace are fixed when it is traced: allgather's first dimension (and
+alltoall's splits) must then be the same on every rank, which the call checks at run
+time, naming the ranks' values; eagerly they may differ. `vmap` over a collective is
+refused: reduce the batched array as a whole instead.
+
+process_set, in every function here: a ProcessSet (global_process_set by default) or a
+ringsync Communicator. root_rank is a rank of the job, as in Horovod, also in a set."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+
+from ringsync._adapters import check_differentiable, grad_name, resolve_op
+from ringsync._context import resolve
+from ringsync.errors import UsageError
+from ringsync.ops import ReduceOp
+from ringsync.process_sets import global_process_set
+
+from . import _xla
+from .compression import Compression
+
+PS = global_process_set  # (short, for the signatures below)
+Sum, Average, Adasum = ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.ADASUM
+Min, Max, Product = ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT
+
+
+# ---------------------------------------------------------------------------- running
+
+def _traced(arrays) -> bool:
+    return any(isinstance(a, jax.core.Tracer) for a in arrays)
+
+
+def _spec(shape, dtype):
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
+
+
+def _exact(out, specs, what):
+    """The callback's results as the traced program declared them (a result of another
+    shape would be a silently wrong program: say what differs instead)."""
+    outs, spec_list = (out, specs) if isinstance(specs, (list, tuple)) else ([out], [specs])
+    for o, s in zip(outs, spec_list):
+        if tuple(o.shape) != tuple(s.shape):
+            raise UsageError(f"ringsync.jax.{what}: inside a traced function the result "
+                             f"must have shape {tuple(s.shape)} (fixed when tracing) but "
+                             f"the ranks' inputs make it {tuple(o.shape)}: give every rank "
+                             f"the same first dimension, or call it eagerly")
+    return out
+
+
+def _run(fn, arrays, specs, what):
+    """fn(*numpy arrays) -> numpy array or list of them: now (eager) or, for traced
+    arrays, as an ordered callback of the program (specs: the results' shapes)."""
+    if _traced(arrays):
+        def host(*args):
+            return _exact(fn(*[np.asarray(a) for a in args]), specs, what)
+        return _refusing_vmap(lambda *a: io_callback(host, specs, *a, ordered=True),
+                              what)(*arrays)
+    jax.effects_barrier()
+    out = fn(*[np.asarray(a) for a in arrays])
+    return [jnp.asarray(o) for o in out] if isinstance(out, list) else jnp.asarray(out)
+
+
+def _refusing_vmap(fn, what):
+    """fn, with vmap over it refused in ringsync's words (JAX would say only that an
+    ordered callback cannot be batched)."""
+    wrapped = jax.custom_batching.custom_vmap(fn)
+
+    @wrapped.def_vmap
+    def _rule(axis_size, in_batched, *args):
+        raise UsageError(f"ringsync.jax.{what}: vmap over a collective is not supported "
+                         f"(each rank would reduce {axis_size} separate arrays in an order "
+                         f"the ranks cannot agree on); reduce the batched array as a whole")
+
+    return wrapped
+
+
+def _comm(process_set):
+    return resolve(process_set)
+
+
+def _arrays(tensors, what):
+    out = []
+    for i, t in enumerate(tensors):
+        if t is None:
+            where = f"tensors[{i}]" if len(tensors) > 1 else "tensor"
+            raise UsageError(f"ringsync.jax.{what}: {where} is None")
+        out.append(t if isinstance(t, (jax.Array, jax.core.Tracer)) else jnp.asarray(t))
+    return out
+
+
+def _differentiable(primal, grad_of, arrays):
+    """primal(*arrays) as a function whose vjp is grad_of(*cotangents) (a list of arrays
+    matching `arrays`); only built where something may differentiate it (traced)."""
+    if not _traced(arrays):
+        return primal(*arrays)
+
+    @jax.custom_vjp
+    def f(*xs):
+        return primal(*xs)
+
+    def fwd(*xs):
+        return primal(*xs), None
+
+    def bwd(_, g):
+        return tuple(grad_of(g))
+
+    f.defvjp(fwd, bwd)
+    return f(*arrays)
+
+
+# ---------------------------------------------------------------------------- allreduce
+
+def _reduce_one(x, op, prescale, postscale, name, process_set):
+    if _traced([x]) and _xla.usable(x.dtype, op):
+        return _xla.allreduce(x, op, prescale, postscale, name, _comm(process_set))
+    return _run(lambda a: _comm(process_set).allreduce(a, op, prescale, postscale, name),
+                [x], _spec(x.shape, x.dtype), "allreduce")
+
+
+def _allreduce(x, op, prescale, postscale, name, process_set):
+    def grad(g):
+        check_differentiable(op, "jax.allreduce")
+        return [_reduce_one(g, op, prescale, postscale, grad_name(name), process_set)]
+
+    return _differentiable(lambda t: _reduce_one(t, op, prescale, postscale, name, process_set),
+                           grad, [x])
+
+
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
+              prescale_factor=1.0, postscale_factor=1.0, process_set=PS):
+    """A new array: tensor reduced over the set's ranks (op=None: Average; average= is
+    Horovod's deprecated spelling). Differentiable for Sum and Average."""
+    op = resolve_op(average, op, "jax.allreduce")
+    (x,) = _arrays([tensor], "allreduce")
+    wire, ctx = compression.compress(x)
+    out = _allreduce(wire, op, prescale_factor, postscale_factor, name, process_set)
+    return compression.decompress(out, ctx)
+
+
+def _grouped_reduce(xs, op, prescale, postscale, name, process_set):
+    if _traced(xs) and all(_xla.usable(x.dtype, op) for x in xs):
+        return _xla.fused_allreduce(xs, op, prescale, postscale, name, _comm(process_set))
+    return _run(lambda *a: _comm(process_set).grouped_allreduce(list(a), op, prescale,
+                                                                postscale, name),
+                xs, [_spec(x.shape, x.dtype) for x in xs], "grouped_allreduce")
+
+
+def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
+                      prescale_factor=1.0, postscale_factor=1.0, process_set=PS):
+    """The leaves of a pytree (a list of arrays, say), each reduced as allreduce would,
+    as one unit; returns the same structure. Differentiable for Sum and Average."""
+    op = resolve_op(average, op, "jax.grouped_allreduce")
+    leaves, tree = jax.tree.flatten(tensors)
+    if not leaves:
+        return tensors
+    pairs = [compression.compress(x) for x in _arrays(leaves, "grouped_allreduce")]
+
+    def primal(*xs):
+        return _grouped_reduce(list(xs), op, prescale_factor, postscale_factor, name,
+                               process_set)
+
+    def grad(gs):
+        check_differentiable(op, "jax.grouped_allreduce")
+        return _grouped_reduce(list(gs), op, prescale_factor, postscale_factor,
+                               grad_name(name), process_set)
+
+    out = _differentiable(primal, grad, [w for w, _ in pairs])
+    return jax.tree.unflatten(tree, [compression.decompress(o, c)
+                                     for o, (_, c) in zip(out, pairs)])
+
+
+# ---------------------------------------------------------------------------- allgather
+
+def _gather(x, name, process_set):
+    rows = (x.shape[0] if x.ndim else 1) * _comm(process_set).size()
+    return _run(lambda a: _comm(process_set).allgather(a, name), [x],
+                _spec((rows,) + tuple(x.shape[1:]), x.dtype), "allgather")
+
+
+def _scatter(x, op, prescale, postscale, name, process_set):
+    size = _comm(process_set).size()
+    rows = x.shape[0] // size + (1 if _comm(process_set).rank() < x.shape[0] % size else 0)
+    return _run(lambda a: _comm(process_set).reducescatter(a, op, prescale, postscale, name),
+                [x], _spec((rows,) + tuple(x.shape[1:]), x.dtype), "reducescatter")
+
+
+def allgather(tensor, name=None, process_set=PS):
+    """Every rank's tensor concatenated along the first dimension (which may differ by
+    rank when called eagerly). Differentiable: the gradient is this rank's rows of the
+    ranks' averaged gradient (a reducescatter)."""
+    (x,) = _arrays([tensor], "allgather")
+    if x.ndim == 0:
+        x = x.reshape(1)
+
+    def grad(g):
+        return [_scatter(g, Average, 1.0, 1.0, grad_name(name), process_set).reshape(x.shape)]
+
+    return _differentiable(lambda t: _gather(t, name, process_set), grad, [x])
+
+
+def broadcast(tensor, root_rank, name=None, process_set=PS):
+    """A new array with root_rank's values. Differentiable: the root gets the ranks'
+    averaged gradient, the others zeros."""
+    (x,) = _arrays([tensor], "broadcast")
+    comm = _comm(process_set)
+
+    def primal(t):
+        return _run(lambda a: comm.broadcast(a, root_rank, name), [t],
+                    _spec(t.shape, t.dtype), "broadcast")
+
+    def grad(g):
+        mean = _reduce_one(g, Average, 1.0, 1.0, grad_name(name), process_set)
+        return [mean if comm.world_rank() == root_rank else jnp.zeros_like(mean)]
+
+    return _differentiable(primal, grad, [x])
+
+
+def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=PS,
+                  prescale_factor=1.0, postscale_factor=1.0):
+    """This rank's rows of tensor reduced over the set (Sum or Average; the first ranks
+    take one row more where the rows do not divide). Differentiable: the gradient is the
+    gradients allgathered (scaled as the reduction was)."""
+    if ReduceOp(op) not in (Sum, Average):
+        raise UsageError(f"ringsync.jax.reducescatter: op must be Sum or Average, not "
+                         f"{ReduceOp(op).name.title()}")
+    (x,) = _arrays([tensor], "reducescatter")
+    if x.ndim == 0:
+        raise UsageError("ringsync.jax.reducescatter: tensor must have a first dimension "
+                         "to scatter (got a 0-d array)")
+    wire, ctx = compression.compress(x)
+
+    def grad(g):
+        factor = prescale_factor * postscale_factor * (
+            _comm(process_set).size() if op == Sum else 1)
+        return [_gather(g * factor if factor != 1 else g, grad_name(name), process_set)]
+
+    out = _differentiable(lambda t: _scatter(t, op, prescale_factor, postscale_factor, name,
+                                             process_set), grad, [wire])
+    return compression.decompress(out, ctx)
+
+
+def alltoall(tensor, splits=None, name=None, process_set=PS):
+    """splits[i] rows of tensor go to rank i of the set (None: as even as possible);
+    returns the rows received, in rank order, and (when splits is given, as Horovod does)
+    how many came from each rank. Eager only when splits differ between ranks."""
+    (x,) = _arrays([tensor], "alltoall")
+    comm = _comm(process_set)
+    if splits is None:
+        return _run(lambda a: comm.alltoall(a, None, name), [x],
+                    _spec(x.shape, x.dtype), "alltoall")
+    sp = np.asarray(splits, dtype=np.int64)
+
+    def exchange(a):
+        out, received = comm.alltoall(a, sp, name)
+        return [out, np.asarray(received, dtype=np.int64)]
+
+    specs = [_spec(x.shape, x.dtype), _spec((comm.size(),), np.int64)]
+    if _traced([x]) and isinstance(splits, jax.core.Tracer):
+        raise UsageError("ringsync.jax.alltoall: inside a traced function splits must be "
+                         "known when tracing (a list or numpy array, not a traced value)")
+    out, received = _run(exchange, [x], specs, "alltoall")
+    return out, received
+
+
+def barrier(process_set=PS):
+    """Returns once every rank of the set has called barrier() (eager)."""
+    jax.effects_barrier()
+    _comm(process_set).barrier()
+
+
+def join():
+    """This rank has run out of data: it takes part in the others' allreduces with zeros
+    until every rank has joined; returns the last rank to join (eager)."""
+    jax.effects_barrier()
+    return resolve(None).join()

@@ -1,0 +1,55 @@
+"""The JAX adapter under several ranks (rank code: tests/mpi/jax_bodies.py, several bodies
+per job through tests/common/in_order.py: importing JAX takes a second)."""
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("jax")
+pytest.importorskip("optax")
+
+from ringsync.testing import assert_mpi_ok  # noqa: E402
+
+from tests.common import in_order  # noqa: E402
+from tests.common.jobs import run_to_deadline  # noqa: E402
+
+pytestmark = pytest.mark.requires_mpirun
+
+MODULE = "tests.mpi.jax_bodies"
+ENV = {"RINGSYNC_TIMEOUT_SECONDS": "60", "OMP_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu",
+       "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"}
+
+
+@pytest.mark.parametrize("np", [1, 2, 3])
+def test_collective_matrix_eager_and_jitted(np):
+    assert_mpi_ok(in_order.run, np=np, timeout=400, env=ENV,
+                  args=in_order.args_for(MODULE, ["collective_matrix"],
+                                         [("eager",), ("jit",)]))
+
+
+@pytest.mark.parametrize("np", [1, 2, 3])
+def test_gradients_training_and_errors(np):
+    assert_mpi_ok(in_order.run, np=np, timeout=400, env=ENV,
+                  args=in_order.args_for(MODULE, ["gradients_by_horovods_rules",
+                                                  "errors_leave_the_next_step_working",
+                                                  "training_matches_one_process:float64",
+                                                  "training_matches_one_process:float32"]))
+
+
+def test_the_example_matches_one_process_under_ringsync_run():
+    """examples/jax_digits.py on 2 ranks under `ringsync run`: at least 95% test accuracy
+    and, in float64, the parameters one process reaches on the whole batches (to 1e-9);
+    in float32 to 1e-5 after 3 epochs (Adam's division by sqrt(v) + 1e-8 lets float32
+    round-off grow past that over the full run, on one process against another too)."""
+    pytest.importorskip("sklearn")
+    root = Path(__file__).resolve().parents[2]
+    launcher = [sys.executable, "-m", "ringsync.launch.cli", "run", "-np", "2",
+                "examples/jax_digits.py"]
+    env = dict(os.environ, **ENV)
+    for args, expected in [(["--dtype", "float64", "--check", "--check-reference"],
+                            "(tolerance 1e-09)"),
+                           (["--epochs", "3", "--check-reference"], "(tolerance 1e-05)")]:
+        status, output = run_to_deadline(launcher + args, env, 300, cwd=root)
+        assert status == 0, f"{args}: exit status {status}; every rank's output:\n{output}"
+        assert output.count(expected) == 2, output
