@@ -23,10 +23,12 @@ INCLUDE = os.path.join(HERE, "include")
 #   timeline, negotiate, lane, execute    what the engine thread uses (and the lane, on
 #                                         calling threads)
 #   engine, submit                        the engine thread; the calling threads' side
+#   xla_ffi                               the blocking allreduce as an XLA custom call
 SOURCES = ["util.c", "reduce.c", "status.c", "checked.c", "auth.c", "progress.c",
            "tcp_setup.c", "transport_tcp.c", "transport_shm.c", "topology.c", "comm.c",
            "adasum.c", "ring.c", "gather_log.c", "hierarchical.c", "algorithms.c",
-           "timeline.c", "negotiate.c", "lane.c", "execute.c", "engine.c", "submit.c"]
+           "timeline.c", "negotiate.c", "lane.c", "execute.c", "engine.c", "submit.c",
+           "xla_ffi.c"]
 
 
 def public_declarations():
@@ -39,6 +41,8 @@ def public_declarations():
 
 ffibuilder = FFI()
 ffibuilder.cdef(public_declarations())
+# Called by xla_ffi.c when a slot is empty; ringsync/jax/_xla.py attaches the Python side.
+ffibuilder.cdef('extern "Python+C" int rs_xla_refill(int slot);')
 ffibuilder.set_source(
     "ringsync._native",
     '#include "ringsync.h"',

@@ -422,3 +422,12 @@ class Communicator(GroupedCollectives, PointToPoint):
     def stop_timeline(self):
         """Collective: every rank stops, and rank 0 writes the file."""
         self._timeline.stop()
+
+
+def bind_xla_slot(comm: Communicator, slot: int) -> None:
+    """Run the XLA custom calls of slot `slot` (ringsync/jax/_xla.py) on comm's engine,
+    until it is destroyed (the core then empties the slot)."""
+    if comm.closed:
+        raise UsageError("ringsync: bind_xla_slot of a closed communicator")
+    if lib.rs_xla_bind(slot, comm._ring.engine, comm._ring.c, comm.rank()) != lib.RS_OK:
+        raise UsageError(f"ringsync: no XLA slot {slot}")

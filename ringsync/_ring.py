@@ -210,6 +210,7 @@ class NativeRing:
         """Free the engine (joining its thread: no buffer is in use after) and the ring."""
         self.lane = False
         if self.engine != ffi.NULL:
+            lib.rs_xla_forget(self.engine)  # (compiled JAX programs may name it: xla_ffi.c)
             lib.rs_engine_destroy(self.engine)
             self.engine = ffi.NULL
         if self.c != ffi.NULL:

@@ -280,4 +280,15 @@ rs_status_t rs_engine_start_timeline(rs_engine_t *engine, const char *path, int 
 rs_status_t rs_engine_stop_timeline(rs_engine_t *engine);
 void rs_free(void *p);
 
+/* ---- XLA FFI (ringsync.jax): the blocking allreduce as a custom call of a compiled JAX
+ * program. The handler finds its engine in a process-wide table of slots (one per process
+ * set a program names: XLA gives a handler no user data). */
+/* The handler (an XLA_FFI_Handler) for jax.ffi.register_ffi_target. */
+void *rs_xla_allreduce_handler(void);
+/* Slot `slot` (< 64) runs on `engine` of ring `comm` (rank `rank` of it) from now on;
+ * NULLs empty it. */
+rs_status_t rs_xla_bind(int slot, rs_engine_t *engine, rs_comm_t *comm, int rank);
+/* Empty every slot bound to `engine` (before destroying it; waits for running handlers). */
+void rs_xla_forget(rs_engine_t *engine);
+
 #endif

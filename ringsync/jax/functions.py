@@ -6,7 +6,7 @@ import numpy as np
 from ringsync import objects
 from ringsync.errors import UsageError
 
-from .mpi_ops import PS, _comm
+from .mpi_ops import PS, _comm, settle
 
 
 def _by_dtype(leaves):
@@ -31,7 +31,7 @@ def broadcast_parameters(params, root_rank=0, process_set=PS):
                              f"{type(leaf).__name__}, not an array (broadcast_object carries "
                              f"Python values)")
         host.append(np.asarray(leaf))
-    jax.effects_barrier()
+    settle()
     comm = _comm(process_set)
     out = list(host)
     for dtype, where in _by_dtype(host).items():
@@ -47,11 +47,11 @@ def broadcast_parameters(params, root_rank=0, process_set=PS):
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=PS):
     """root_rank's obj (anything picklable, JAX arrays included) on every rank."""
-    jax.effects_barrier()
+    settle()
     return objects.broadcast_object(obj, root_rank, name, process_set)
 
 
 def allgather_object(obj, name=None, process_set=PS):
     """A list of every rank's obj (picklable), in rank order."""
-    jax.effects_barrier()
+    settle()
     return objects.allgather_object(obj, name, process_set)

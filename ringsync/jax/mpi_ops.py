@@ -60,6 +60,16 @@ def _exact(out, specs, what):
     return out
 
 
+def settle():
+    """Wait until the programs dispatched so far have run their collectives, so that an
+    eager call comes after them on every rank. A program that failed (a lost peer, a
+    mismatch) raises where its results are read; its stale error is no concern here."""
+    try:
+        jax.effects_barrier()
+    except Exception:
+        pass
+
+
 def _run(fn, arrays, specs, what):
     """fn(*numpy arrays) -> numpy array or list of them: now (eager) or, for traced
     arrays, as an ordered callback of the program (specs: the results' shapes)."""
@@ -68,7 +78,7 @@ def _run(fn, arrays, specs, what):
             return _exact(fn(*[np.asarray(a) for a in args]), specs, what)
         return _refusing_vmap(lambda *a: io_callback(host, specs, *a, ordered=True),
                               what)(*arrays)
-    jax.effects_barrier()
+    settle()
     out = fn(*[np.asarray(a) for a in arrays])
     return [jnp.asarray(o) for o in out] if isinstance(out, list) else jnp.asarray(out)
 
@@ -125,7 +135,8 @@ def _differentiable(primal, grad_of, arrays):
 
 def _reduce_one(x, op, prescale, postscale, name, process_set):
     if _traced([x]) and _xla.usable(x.dtype, op):
-        return _xla.allreduce(x, op, prescale, postscale, name, _comm(process_set))
+        return _refusing_vmap(lambda a: _xla.allreduce(a, op, prescale, postscale, name,
+                                                       process_set), "allreduce")(x)
     return _run(lambda a: _comm(process_set).allreduce(a, op, prescale, postscale, name),
                 [x], _spec(x.shape, x.dtype), "allreduce")
 
@@ -150,9 +161,27 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     return compression.decompress(out, ctx)
 
 
+def concatenated_reduce(xs, op, prescale, postscale, name, process_set):
+    """xs reduced with one allreduce per dtype: each dtype's arrays are concatenated
+    (inside a jitted program XLA fuses that copy), reduced, and cut back."""
+    groups = {}
+    for i, x in enumerate(xs):
+        groups.setdefault(jnp.dtype(x.dtype), []).append(i)
+    out = [None] * len(xs)
+    for dtype, where in groups.items():
+        flat = jnp.concatenate([xs[i].reshape(-1) for i in where])
+        reduced = _reduce_one(flat, op, prescale, postscale,
+                              None if name is None else f"{name}.{dtype.name}", process_set)
+        start = 0
+        for i in where:
+            out[i] = reduced[start:start + xs[i].size].reshape(xs[i].shape)
+            start += xs[i].size
+    return out
+
+
 def _grouped_reduce(xs, op, prescale, postscale, name, process_set):
     if _traced(xs) and all(_xla.usable(x.dtype, op) for x in xs):
-        return _xla.fused_allreduce(xs, op, prescale, postscale, name, _comm(process_set))
+        return concatenated_reduce(xs, op, prescale, postscale, name, process_set)
     return _run(lambda *a: _comm(process_set).grouped_allreduce(list(a), op, prescale,
                                                                 postscale, name),
                 xs, [_spec(x.shape, x.dtype) for x in xs], "grouped_allreduce")
@@ -277,12 +306,12 @@ def alltoall(tensor, splits=None, name=None, process_set=PS):
 
 def barrier(process_set=PS):
     """Returns once every rank of the set has called barrier() (eager)."""
-    jax.effects_barrier()
+    settle()
     _comm(process_set).barrier()
 
 
 def join():
     """This rank has run out of data: it takes part in the others' allreduces with zeros
     until every rank has joined; returns the last rank to join (eager)."""
-    jax.effects_barrier()
+    settle()
     return resolve(None).join()

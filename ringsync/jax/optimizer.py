@@ -10,32 +10,35 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ringsync._adapters import check_differentiable
 from ringsync.errors import UsageError
 from ringsync.ops import ReduceOp
 
 from .compression import Compression
-from .mpi_ops import PS, Average, _allreduce
+from .mpi_ops import PS, Average, _arrays, _differentiable, concatenated_reduce
 
 
 def fused_allreduce(tree, op=Average, prescale_factor=1.0, postscale_factor=1.0,
                     compression=Compression.none, process_set=PS):
-    """Every leaf of a pytree reduced over the ranks, with one allreduce per dtype;
-    returns the same structure. Differentiable for Sum and Average."""
+    """Every leaf of a pytree reduced over the ranks with one allreduce per dtype (the
+    leaves of a dtype concatenated); returns the same structure. Differentiable for Sum
+    and Average."""
     leaves, treedef = jax.tree.flatten(tree)
-    wire = [compression.compress(jnp.asarray(leaf)) for leaf in leaves]
-    groups = {}
-    for i, (w, _) in enumerate(wire):
-        groups.setdefault(jnp.dtype(w.dtype), []).append(i)
-    out = [None] * len(leaves)
-    for where in groups.values():
-        flat = jnp.concatenate([wire[i][0].reshape(-1) for i in where])
-        reduced = _allreduce(flat, op, prescale_factor, postscale_factor, None, process_set)
-        start = 0
-        for i in where:
-            w, ctx = wire[i]
-            out[i] = compression.decompress(reduced[start:start + w.size].reshape(w.shape), ctx)
-            start += w.size
-    return jax.tree.unflatten(treedef, out)
+    if not leaves:
+        return tree
+    pairs = [compression.compress(x) for x in _arrays(leaves, "fused_allreduce")]
+
+    def reduce(*xs):
+        return concatenated_reduce(list(xs), op, prescale_factor, postscale_factor, None,
+                                   process_set)
+
+    def grad(gs):
+        check_differentiable(op, "jax.fused_allreduce")
+        return reduce(*gs)
+
+    out = _differentiable(reduce, grad, [w for w, _ in pairs])
+    return jax.tree.unflatten(treedef, [compression.decompress(o, c)
+                                        for o, (_, c) in zip(out, pairs)])
 
 
 def DistributedOptimizer(optimizer, compression=Compression.none, backward_passes_per_step=1,

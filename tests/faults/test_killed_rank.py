@@ -84,6 +84,45 @@ def test_survivors_name_the_killed_rank(victim, tmp_path):
     assert shared_memory_segments() <= segments_before
 
 
+def killed_peer_fails_jitted_steps(marker, folder, victim):
+    """The same, with the allreduce inside a jitted JAX step (the core's XLA custom call):
+    every survivor's step fails naming the lost rank, and none hangs."""
+    import jax
+    import jax.numpy as jnp
+    import ringsync.jax as hvd
+    victim = int(victim)
+    hvd.init()
+    step = jax.jit(lambda x: hvd.allreduce(x * 2.0, op=hvd.Sum))
+    data = jnp.ones(1 << 16, dtype=jnp.float32)
+    for i in range(100_000):
+        if hvd.rank() == victim and i == 20:
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            jax.block_until_ready(step(data))
+        except Exception as e:  # JAX raises the custom call's failure as its own error
+            assert "CommunicationError" in str(e) and f"connection to rank {victim} (host" \
+                in str(e), str(e)
+            with open(os.path.join(folder, f"survivor-{hvd.rank()}"), "w") as f:
+                f.write(str(e))
+            break
+    else:
+        raise AssertionError("the victim never died")
+    hvd.shutdown()
+    os._exit(0)  # skip MPI_Finalize, which would wait for the dead rank
+
+
+def test_survivors_jitted_jax_steps_name_the_killed_rank(tmp_path):
+    pytest.importorskip("jax")
+    marker = f"ringsync-kill-jax-{os.getpid()}"
+    result = run_mpi(killed_peer_fails_jitted_steps, np=3, timeout=120,
+                     args=(marker, tmp_path, 1), mpirun_args=("--with-ft", "ulfm"),
+                     env=dict(NO_TIMEOUT, JAX_PLATFORMS="cpu"))
+    assert not result.timed_out, result.report()
+    survivors = sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("survivor-*"))
+    assert survivors == [0, 2], result.report()
+    assert not processes_matching(marker).strip()
+
+
 def test_plain_mpirun_ends_the_job_when_a_rank_is_killed(tmp_path):
     """Without ULFM, mpirun itself ends the job: a failure, promptly, and no leftovers."""
     marker = f"ringsync-kill-plain-{os.getpid()}"

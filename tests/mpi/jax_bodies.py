@@ -95,9 +95,14 @@ def _grouped(mode, me, size):
 
 
 def collective_matrix(mode):
-    """Every collective, eager or jitted, against numpy references of every rank's input."""
+    """Every collective, eager or jitted, against numpy references of every rank's input.
+    Jitted allreduces are the native core's XLA custom call (unless RINGSYNC_JAX_FFI=0)."""
     hvd.init()
     me, size = hvd.rank(), hvd.size()
+    if mode == "jit":
+        program = jax.jit(lambda x: hvd.allreduce(x)).lower(jnp.ones(3)).as_text()
+        ffi = os.environ.get("RINGSYNC_JAX_FFI", "1") != "0"
+        assert ("ringsync_allreduce" in program) == ffi, program
     _allreduce_matrix(mode, me, size)
     _moving_matrix(mode, me, size)
     _grouped(mode, me, size)
@@ -259,4 +264,24 @@ def errors_leave_the_next_step_working():
                 raise AssertionError(f"a {what} mismatch did not fail rank {me}")
         got = step(jnp.arange(4.0) + me)
         np.testing.assert_allclose(got, 2 * sum(jnp.arange(4.0) + r for r in range(size)))
+    hvd.shutdown()
+
+
+def independent_collectives_pair_up():
+    """Four allreduces of one shape that nothing orders in the program (no data flows
+    between them): every rank must run them in the same order, or values would meet their
+    neighbours' (a sum of the wrong arrays, not an error). 200 steps, with XLA's default
+    threads."""
+    hvd.init()
+    me, size = hvd.rank(), hvd.size()
+
+    @jax.jit
+    def step(a, b, c, d):
+        return [hvd.allreduce(v * 2.0, op=hvd.Sum) for v in (a, b, c, d)]
+
+    for i in range(200):
+        out = step(*[jnp.full((257,), 1000.0 * k + 10 * me + i) for k in range(4)])
+        for k, got in enumerate(out):
+            expected = sum(2 * (1000.0 * k + 10 * r + i) for r in range(size))
+            assert np.all(np.asarray(got) == expected), (i, k, np.asarray(got)[:3], expected)
     hvd.shutdown()

@@ -28,6 +28,12 @@ def test_collective_matrix_eager_and_jitted(np):
                                          [("eager",), ("jit",)]))
 
 
+def test_jitted_collective_matrix_through_python_callbacks():
+    """RINGSYNC_JAX_FFI=0: every traced collective an ordered io_callback."""
+    assert_mpi_ok(in_order.run, np=2, timeout=400, env=dict(ENV, RINGSYNC_JAX_FFI="0"),
+                  args=in_order.args_for(MODULE, ["collective_matrix"], [("jit",)]))
+
+
 @pytest.mark.parametrize("np", [1, 2, 3])
 def test_gradients_training_and_errors(np):
     assert_mpi_ok(in_order.run, np=np, timeout=400, env=ENV,
@@ -35,6 +41,12 @@ def test_gradients_training_and_errors(np):
                                                   "errors_leave_the_next_step_working",
                                                   "training_matches_one_process:float64",
                                                   "training_matches_one_process:float32"]))
+
+
+def test_unordered_collectives_pair_up_with_xlas_own_threads():
+    env = {k: v for k, v in ENV.items() if k != "XLA_FLAGS"}
+    assert_mpi_ok(in_order.run, np=2, timeout=300, env=env,
+                  args=in_order.args_for(MODULE, ["independent_collectives_pair_up"]))
 
 
 def test_the_example_matches_one_process_under_ringsync_run():
