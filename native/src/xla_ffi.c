@@ -32,6 +32,7 @@ typedef struct {
 
 static pthread_rwlock_t slots_lock = PTHREAD_RWLOCK_INITIALIZER;
 static slot_t slots[RS_XLA_SLOTS];
+static int running[RS_XLA_SLOTS]; /* calls of each slot in progress (atomic) */
 
 rs_status_t rs_xla_bind(int slot, rs_engine_t *engine, rs_comm_t *comm, int rank) {
     if (slot < 0 || slot >= RS_XLA_SLOTS || !engine != !comm)
@@ -120,9 +121,10 @@ typedef struct {
 } call_t;
 
 static const char *read_call(const struct rs_xla_frame *f, call_t *c) {
-    if (f->args.size != 1 || f->rets.size != 1 || f->args.types[0] != XLA_BUFFER ||
+    /* (operands after the first are the calls this one waits for: never read) */
+    if (f->args.size < 1 || f->rets.size != 1 || f->args.types[0] != XLA_BUFFER ||
         f->rets.types[0] != XLA_BUFFER)
-        return "ringsync: the allreduce custom call takes one array and returns one";
+        return "ringsync: the allreduce custom call takes an array and returns one";
     const struct rs_xla_buffer *in = f->args.items[0], *out = f->rets.items[0];
     int64_t op;
     struct rs_xla_span *name = find_attr(f, "name", XLA_ATTR_STRING);
@@ -161,7 +163,7 @@ static int error_code(rs_status_t st) {
  * a Python caller would have seen (the text is all that crosses XLA). */
 static void *failure(const struct rs_xla_frame *f, const call_t *c, int rank, rs_status_t st,
                      const char *detail) {
-    const char *cls = st == RS_ERR_USAGE ? "MismatchError"
+    const char *cls = st == RS_ERR_USAGE ? "MismatchError" /* (found by the ranks together) */
                       : st == RS_ERR_TIMEOUT ? "CommunicationTimeout"
                       : st == RS_ERR_NOMEM ? "OutOfMemoryError" : "CommunicationError";
     char text[1400];
@@ -208,6 +210,33 @@ static rs_engine_t *locked_engine(int64_t slot, int *rank) {
     return NULL;
 }
 
+static void *run_call(const struct rs_xla_frame *f, rs_engine_t *engine, call_t *c,
+                      int rank) {
+    int ran = 0;
+    const char *detail = "";
+    rs_status_t st = rs_engine_try_lane(engine, c->name, &c->request, &ran);
+    if (st != RS_OK)
+        detail = rs_engine_last_error(engine);
+    else if (!ran)
+        st = submit_and_wait(engine, c, &detail);
+    return st == RS_OK ? NULL : failure(f, c, rank, st, detail);
+}
+
+/* Another call of this process set is running: the two were not ordered (separate
+ * programs, or traces that nothing chains), so the ranks may run them in different
+ * orders. This one is refused in its place in the call order (the peers' matching call
+ * fails too, naming it), so that no pair meets the wrong peer. */
+static void *refuse_concurrent(const struct rs_xla_frame *f, rs_engine_t *engine,
+                               const call_t *c, int rank) {
+    static const char why[] =
+        "another collective of its process set was running at the same time (collectives "
+        "of two compiled programs, or of separate jitted functions or loop bodies, that "
+        "nothing orders); order them by data, wait for the first program's results, or set "
+        "RINGSYNC_JAX_ORDERED=1";
+    rs_engine_refuse(engine, c->name, RS_KIND_ALLREDUCE, why, 1);
+    return failure(f, c, rank, RS_ERR_USAGE, why);
+}
+
 static void *run_allreduce(struct rs_xla_frame *f) {
     call_t c;
     memset(&c, 0, sizeof c);
@@ -223,14 +252,9 @@ static void *run_allreduce(struct rs_xla_frame *f) {
                          "ringsync.errors.NotInitializedError: ringsync.jax.allreduce: the "
                          "process set of this compiled call has no communicator (call "
                          "ringsync.init() first)");
-    int ran = 0;
-    const char *detail = "";
-    rs_status_t st = rs_engine_try_lane(engine, c.name, &c.request, &ran);
-    if (st != RS_OK)
-        detail = rs_engine_last_error(engine);
-    else if (!ran)
-        st = submit_and_wait(engine, &c, &detail);
-    void *error = st == RS_OK ? NULL : failure(f, &c, rank, st, detail);
+    void *error = __atomic_fetch_add(&running[c.slot], 1, __ATOMIC_ACQ_REL) > 0
+                      ? refuse_concurrent(f, engine, &c, rank) : run_call(f, engine, &c, rank);
+    __atomic_fetch_sub(&running[c.slot], 1, __ATOMIC_ACQ_REL);
     pthread_rwlock_unlock(&slots_lock);
     return error;
 }

@@ -74,10 +74,18 @@ def _run(fn, arrays, specs, what):
     """fn(*numpy arrays) -> numpy array or list of them: now (eager) or, for traced
     arrays, as an ordered callback of the program (specs: the results' shapes)."""
     if _traced(arrays):
+        # Ordered among the program's callbacks by JAX; chained after its custom calls
+        # (an extra argument the host function drops), as they are to each other.
+        after, _ = _xla.CHAIN.take(None)
+        after = jnp.zeros(1, jnp.float32) if after is None else after
+
         def host(*args):
-            return _exact(fn(*[np.asarray(a) for a in args]), specs, what)
-        return _refusing_vmap(lambda *a: io_callback(host, specs, *a, ordered=True),
-                              what)(*arrays)
+            return _exact(fn(*[np.asarray(a) for a in args[:-1]]), specs, what)
+
+        out = _refusing_vmap(lambda *a: io_callback(host, specs, *a, ordered=True),
+                             what)(*arrays, after)
+        _xla.CHAIN.give(out if isinstance(out, list) else [out])
+        return out
     settle()
     out = fn(*[np.asarray(a) for a in arrays])
     return [jnp.asarray(o) for o in out] if isinstance(out, list) else jnp.asarray(out)
@@ -111,32 +119,50 @@ def _arrays(tensors, what):
     return out
 
 
-def _differentiable(primal, grad_of, arrays):
+def _differentiable(primal, grad_of, arrays, what):
     """primal(*arrays) as a function whose vjp is grad_of(*cotangents) (a list of arrays
-    matching `arrays`); only built where something may differentiate it (traced)."""
+    matching `arrays`); only built where something may differentiate it (traced), and
+    refusing vmap. JAX traces primal in a trace of its own: the custom calls in it are
+    chained to the caller's trace through an extra argument (see _xla.Chain)."""
     if not _traced(arrays):
         return primal(*arrays)
+    after, base = _xla.CHAIN.take(None)
+    after = jnp.zeros(1, jnp.float32) if after is None else after
 
-    @jax.custom_vjp
-    def f(*xs):
+    def linked(link, *xs):
+        _xla.CHAIN.link_into(link, base)
         return primal(*xs)
 
-    def fwd(*xs):
-        return primal(*xs), None
+    linked = _refusing_vmap(linked, what)
 
-    def bwd(_, g):
-        return tuple(grad_of(g))
+    @jax.custom_vjp
+    def f(link, *xs):
+        return linked(link, *xs)
+
+    def fwd(link, *xs):
+        out = linked(link, *xs)
+        return out, (link.shape, _xla.token_of(out if isinstance(out, list) else [out]))
+
+    def bwd(saved, g):
+        # The gradient's collectives come after the forward ones on every rank: they
+        # wait for its results, on which their inputs may not depend.
+        link_shape, forward = saved
+        _xla.CHAIN.link_into(forward, f"{base}.grad")
+        return (jnp.zeros(link_shape, jnp.float32), *grad_of(g))
 
     f.defvjp(fwd, bwd)
-    return f(*arrays)
+    out = f(after, *arrays)
+    _xla.CHAIN.give(out if isinstance(out, list) else [out])
+    return out
 
 
 # ---------------------------------------------------------------------------- allreduce
 
-def _reduce_one(x, op, prescale, postscale, name, process_set):
+def _reduce_one(x, op, prescale, postscale, name, process_set, kept=False):
+    """kept: the call must run even where this rank drops its result (XLA removes a
+    custom call whose result nothing uses, which would leave the peers waiting)."""
     if _traced([x]) and _xla.usable(x.dtype, op):
-        return _refusing_vmap(lambda a: _xla.allreduce(a, op, prescale, postscale, name,
-                                                       process_set), "allreduce")(x)
+        return _xla.allreduce(x, op, prescale, postscale, name, process_set, kept)
     return _run(lambda a: _comm(process_set).allreduce(a, op, prescale, postscale, name),
                 [x], _spec(x.shape, x.dtype), "allreduce")
 
@@ -147,7 +173,7 @@ def _allreduce(x, op, prescale, postscale, name, process_set):
         return [_reduce_one(g, op, prescale, postscale, grad_name(name), process_set)]
 
     return _differentiable(lambda t: _reduce_one(t, op, prescale, postscale, name, process_set),
-                           grad, [x])
+                           grad, [x], "allreduce")
 
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
@@ -206,7 +232,7 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
         return _grouped_reduce(list(gs), op, prescale_factor, postscale_factor,
                                grad_name(name), process_set)
 
-    out = _differentiable(primal, grad, [w for w, _ in pairs])
+    out = _differentiable(primal, grad, [w for w, _ in pairs], "grouped_allreduce")
     return jax.tree.unflatten(tree, [compression.decompress(o, c)
                                      for o, (_, c) in zip(out, pairs)])
 
@@ -237,7 +263,7 @@ def allgather(tensor, name=None, process_set=PS):
     def grad(g):
         return [_scatter(g, Average, 1.0, 1.0, grad_name(name), process_set).reshape(x.shape)]
 
-    return _differentiable(lambda t: _gather(t, name, process_set), grad, [x])
+    return _differentiable(lambda t: _gather(t, name, process_set), grad, [x], "allgather")
 
 
 def broadcast(tensor, root_rank, name=None, process_set=PS):
@@ -251,10 +277,11 @@ def broadcast(tensor, root_rank, name=None, process_set=PS):
                     _spec(t.shape, t.dtype), "broadcast")
 
     def grad(g):
-        mean = _reduce_one(g, Average, 1.0, 1.0, grad_name(name), process_set)
+        mean = _reduce_one(g, Average, 1.0, 1.0, grad_name(name), process_set,
+                           kept=comm.world_rank() != root_rank)
         return [mean if comm.world_rank() == root_rank else jnp.zeros_like(mean)]
 
-    return _differentiable(primal, grad, [x])
+    return _differentiable(primal, grad, [x], "broadcast")
 
 
 def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=PS,
@@ -277,7 +304,7 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
         return [_gather(g * factor if factor != 1 else g, grad_name(name), process_set)]
 
     out = _differentiable(lambda t: _scatter(t, op, prescale_factor, postscale_factor, name,
-                                             process_set), grad, [wire])
+                                             process_set), grad, [wire], "reducescatter")
     return compression.decompress(out, ctx)
 
 

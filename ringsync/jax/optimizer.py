@@ -36,7 +36,7 @@ def fused_allreduce(tree, op=Average, prescale_factor=1.0, postscale_factor=1.0,
         check_differentiable(op, "jax.fused_allreduce")
         return reduce(*gs)
 
-    out = _differentiable(reduce, grad, [w for w, _ in pairs])
+    out = _differentiable(reduce, grad, [w for w, _ in pairs], "fused_allreduce")
     return jax.tree.unflatten(treedef, [compression.decompress(o, c)
                                         for o, (_, c) in zip(out, pairs)])
 

@@ -285,3 +285,84 @@ def independent_collectives_pair_up():
             expected = sum(2 * (1000.0 * k + 10 * r + i) for r in range(size))
             assert np.all(np.asarray(got) == expected), (i, k, np.asarray(got)[:3], expected)
     hvd.shutdown()
+
+
+def _depends_on(defs, value, target):
+    """Whether SSA value `value` of a StableHLO text is computed from `target`."""
+    seen, todo = set(), [value]
+    while todo:
+        v = todo.pop()
+        if v == target:
+            return True
+        if v not in seen:
+            seen.add(v)
+            todo += defs.get(v, [])
+    return False
+
+
+def chained_in_program_order():
+    """The custom calls of one trace form a chain: each takes, as an operand it does not
+    read, something computed from the previous call's result (what makes XLA run them in
+    program order); unnamed ones get distinct names."""
+    import re
+    hvd.init()
+    xs = [jnp.ones(5) * k for k in range(3)]
+    for fn in [lambda a, b, c: [hvd.allreduce(v) for v in (a, b, c)],
+               lambda a, b, c: jax.grad(lambda t: sum(hvd.allreduce(v).sum() for v in t))(
+                   (a, b, c))]:
+        text = jax.jit(fn).lower(*xs).as_text()
+        defs, calls = {}, []
+        for line in text.splitlines():
+            m = re.match(r"\s*(%[\w#]+)(?::\d+)? = (.*)", line)
+            if m:
+                defs[m.group(1)] = re.findall(r"%[\w#]+", m.group(2))
+                if "custom_call @ringsync_allreduce" in line:
+                    operands = m.group(2).split("(", 1)[1].split(")", 1)[0]
+                    calls.append((m.group(1), re.findall(r"%[\w#]+", operands),
+                                  re.search(r'name = "([^"]+)"', line).group(1)))
+        assert len(calls) >= 3, text
+        for (before, _, _), (_, operands, _) in zip(calls, calls[1:]):
+            assert len(operands) == 2 and _depends_on(defs, operands[1], before), calls
+        assert len({name for _, _, name in calls}) == len(calls), calls
+    hvd.shutdown()
+
+
+def unordered_programs_fail_loudly():
+    """Two jitted programs whose collectives nothing orders, run at once from two threads
+    on rank 0 (its first call waits for a late rank 1, so the second overlaps it): rank 0
+    refuses the second call, rank 1's matching call fails naming the reason, and the
+    first pair meets as it should. Then a plain call works on both."""
+    import threading
+    import time
+    hvd.init()
+    me, size = hvd.rank(), hvd.size()
+    first = jax.jit(lambda x: hvd.allreduce(x, op=hvd.Sum, name="first"))
+    second = jax.jit(lambda x: hvd.allreduce(x * 1.0, op=hvd.Sum, name="second"))
+    x = jnp.arange(4.0) + me
+    jax.block_until_ready((first(x), second(x)))  # compiled (and matched) once, in order
+    results = {}
+
+    def run(name, fn, delay):
+        time.sleep(delay)
+        try:
+            results[name] = np.asarray(fn(x))
+        except Exception as error:  # JAX's own error, carrying ringsync's text
+            results[name] = str(error)
+
+    if me == 0:
+        threads = [threading.Thread(target=run, args=("first", first, 0.0)),
+                   threading.Thread(target=run, args=("second", second, 0.3))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    else:
+        time.sleep(1.0)  # rank 0's first call is waiting for this rank by now
+        run("first", first, 0.0)
+        run("second", second, 0.0)
+    expected = sum(np.arange(4.0) + r for r in range(size))
+    assert np.array_equal(results["first"], expected), results
+    assert isinstance(results["second"], str) and "at the same time" in results["second"], \
+        results
+    np.testing.assert_array_equal(hvd.allreduce(x, op=hvd.Sum), expected)
+    hvd.shutdown()

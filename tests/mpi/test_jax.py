@@ -46,7 +46,9 @@ def test_gradients_training_and_errors(np):
 def test_unordered_collectives_pair_up_with_xlas_own_threads():
     env = {k: v for k, v in ENV.items() if k != "XLA_FLAGS"}
     assert_mpi_ok(in_order.run, np=2, timeout=300, env=env,
-                  args=in_order.args_for(MODULE, ["independent_collectives_pair_up"]))
+                  args=in_order.args_for(MODULE, ["independent_collectives_pair_up",
+                                                  "chained_in_program_order",
+                                                  "unordered_programs_fail_loudly"]))
 
 
 def test_the_example_matches_one_process_under_ringsync_run():
