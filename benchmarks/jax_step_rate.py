@@ -164,36 +164,49 @@ def copy_and_reduce_seconds(nbytes, repeat=20):
 SETUPS = ["one process", "ringsync", "ringsync, callbacks", "JAX gloo"]
 
 
+# JAX 0.10's io_callback has hung here converting a 48 MiB operand to numpy (inside the
+# callback, before ringsync is called; on one rank too): the callback path is timed only
+# below this size.
+CALLBACK_LIMIT_BYTES = 16 << 20
+
+
 def measure(name, args):
     layers = MODELS[name]
     x, y = batch(layers, args.batch, 1 + COMM.rank)
+    nbytes = sum(4 * (i * o + o) for i, o in layers)
     makers = {"one process": lambda: one_process(layers, x, y),
               "ringsync": lambda: ringsync_setup(layers, x, y, True),
               "ringsync, callbacks": lambda: ringsync_setup(layers, x, y, False),
               "JAX gloo": lambda: jax_gloo_setup(layers, x, y)}
-    built = {setup: makers[setup]() for setup in SETUPS}
-    samples = {setup: [] for setup in SETUPS}
+    setups = [s for s in SETUPS
+              if s != "ringsync, callbacks" or nbytes < CALLBACK_LIMIT_BYTES]
+    built = {setup: makers[setup]() for setup in setups}
+    samples = {setup: [] for setup in setups}
     for r in range(args.rounds):
-        for setup in SETUPS[r % len(SETUPS):] + SETUPS[:r % len(SETUPS)]:
+        for setup in setups[r % len(setups):] + setups[:r % len(setups)]:
             samples[setup].append(timed_steps(*built[setup], args.steps))
-    nbytes = sum(4 * (i * o + o) for i, o in layers)
     return ({setup: statistics.median(t) for setup, t in samples.items()},
             copy_and_reduce_seconds(nbytes), nbytes)
 
 
 def report(name, times, bound, nbytes):
     alone = times["one process"]
-    over = {s: times[s] - alone for s in SETUPS[1:]}
+    over = {s: times[s] - alone for s in SETUPS[1:] if s in times}
     print(f"\n{name}: {nbytes / 2**20:.1f} MiB of float32 gradients; copy-and-reduce bound "
           f"{bound * 1e3:.3f} ms")
     print(f"  {'':22s} {'step ms':>9s} {'overhead ms':>12s}")
     for setup in SETUPS:
+        if setup not in times:
+            print(f"  {setup:22s} (not timed: see CALLBACK_LIMIT_BYTES)")
+            continue
         extra = f"{over[setup] * 1e3:12.3f}" if setup in over else f"{'':12s}"
         print(f"  {setup:22s} {times[setup] * 1e3:9.3f} {extra}")
     ours = over["ringsync"]
+    callbacks = (f"; callbacks' overhead / the custom call's: "
+                 f"{over['ringsync, callbacks'] / ours:.2f}" if "ringsync, callbacks" in over
+                 else "")
     print(f"  ringsync overhead / bound: {ours / bound:.2f} (goal <= 1.5); "
-          f"/ JAX gloo's overhead: {ours / over['JAX gloo']:.3f} (goal <= 0.33); "
-          f"callbacks' overhead / the custom call's: {over['ringsync, callbacks'] / ours:.2f}")
+          f"/ JAX gloo's overhead: {ours / over['JAX gloo']:.3f} (goal <= 0.33){callbacks}")
 
 
 def main():

@@ -45,6 +45,7 @@ SLOW_FRAMEWORKS = [
     "tests/mpi/test_jax.py::*[3]",
     "tests/mpi/test_jax.py::test_jitted_collective_matrix_through_python_callbacks",
     "tests/mpi/test_jax.py::test_unordered_collectives_pair_up_with_xlas_own_threads",
+    "tests/mpi/test_jax.py::test_jax_ranks_join_torch_tensorflow_and_numpy_ranks",
     "tests/mpi/test_torch.py::test_pytorch_examples_learn",
     "tests/mpi/test_horovod_tensorflow.py::test_horovod_tensorflow_api[3]",
     "tests/mpi/test_keras.py::test_horovods_tensorflow2_examples_learn",

@@ -113,41 +113,58 @@ static int core_dtype(int xla_dtype) {
     }
 }
 
-/* What one call asks for, read and checked from its frame. */
+/* What one custom call asks for, read and checked from its frame: its arrays' common
+ * attributes here, each array's request by array_request. */
 typedef struct {
     rs_request_t request;
     int64_t slot;
+    int64_t arrays; /* reduced one after another, in place where XLA aliased them */
+    char base[200];
     char name[256];
 } call_t;
 
 static const char *read_call(const struct rs_xla_frame *f, call_t *c) {
-    /* (operands after the first are the calls this one waits for: never read) */
-    if (f->args.size < 1 || f->rets.size != 1 || f->args.types[0] != XLA_BUFFER ||
-        f->rets.types[0] != XLA_BUFFER)
-        return "ringsync: the allreduce custom call takes an array and returns one";
-    const struct rs_xla_buffer *in = f->args.items[0], *out = f->rets.items[0];
+    /* k results; k operands, then perhaps one more: the calls this one waits for (never
+     * read) */
+    c->arrays = f->rets.size;
+    if (c->arrays < 1 || (f->args.size != c->arrays && f->args.size != c->arrays + 1))
+        return "ringsync: the allreduce custom call takes one operand per result";
+    for (int64_t i = 0; i < f->args.size; i++)
+        if (f->args.types[i] != XLA_BUFFER || (i < c->arrays && f->rets.types[i] != XLA_BUFFER))
+            return "ringsync: the allreduce custom call takes and returns arrays only";
     int64_t op;
     struct rs_xla_span *name = find_attr(f, "name", XLA_ATTR_STRING);
     if (!scalar_int(f, "slot", &c->slot) || !scalar_int(f, "op", &op) || !name ||
         !scalar_double(f, "prescale", &c->request.prescale) ||
         !scalar_double(f, "postscale", &c->request.postscale))
         return "ringsync: the allreduce custom call lacks one of its attributes";
+    snprintf(c->base, sizeof c->base, "%.*s", (int)(name->len < 199 ? name->len : 199),
+             name->ptr);
+    c->request.kind = RS_KIND_ALLREDUCE;
+    c->request.op = (int)op;
+    c->request.start_now = 1;
+    c->request.blocking = 1;
+    return NULL;
+}
+
+/* The request for array i of the call (its name: the base, then ".i" when there are
+ * several). */
+static const char *array_request(const struct rs_xla_frame *f, int64_t i, call_t *c) {
+    const struct rs_xla_buffer *in = f->args.items[i], *out = f->rets.items[i];
     if (in->rank > 8 || in->rank != out->rank || in->dtype != out->dtype ||
         core_dtype(in->dtype) < 0 || (in->rank && memcmp(in->dims, out->dims,
                                                          (size_t)in->rank * sizeof(int64_t))))
         return "ringsync: the allreduce custom call's array and result do not match";
-    snprintf(c->name, sizeof c->name, "%.*s", (int)(name->len < 255 ? name->len : 255),
-             name->ptr);
-    c->request.kind = RS_KIND_ALLREDUCE;
+    if (c->arrays == 1)
+        snprintf(c->name, sizeof c->name, "%s", c->base);
+    else
+        snprintf(c->name, sizeof c->name, "%s.%lld", c->base, (long long)i);
     c->request.dtype = core_dtype(in->dtype);
-    c->request.op = (int)op;
     c->request.ndim = (int)in->rank;
     for (int d = 0; d < in->rank; d++)
         c->request.shape[d] = in->dims[d];
     c->request.sendbuf = in->data;
     c->request.recvbuf = out->data;
-    c->request.start_now = 1;
-    c->request.blocking = 1;
     return NULL;
 }
 
@@ -212,14 +229,21 @@ static rs_engine_t *locked_engine(int64_t slot, int *rank) {
 
 static void *run_call(const struct rs_xla_frame *f, rs_engine_t *engine, call_t *c,
                       int rank) {
-    int ran = 0;
-    const char *detail = "";
-    rs_status_t st = rs_engine_try_lane(engine, c->name, &c->request, &ran);
-    if (st != RS_OK)
-        detail = rs_engine_last_error(engine);
-    else if (!ran)
-        st = submit_and_wait(engine, c, &detail);
-    return st == RS_OK ? NULL : failure(f, c, rank, st, detail);
+    for (int64_t i = 0; i < c->arrays; i++) {
+        const char *bad = array_request(f, i, c);
+        if (bad)
+            return xla_error(f, XLA_ERR_INVALID_ARGUMENT, bad);
+        int ran = 0;
+        const char *detail = "";
+        rs_status_t st = rs_engine_try_lane(engine, c->name, &c->request, &ran);
+        if (st != RS_OK)
+            detail = rs_engine_last_error(engine);
+        else if (!ran)
+            st = submit_and_wait(engine, c, &detail);
+        if (st != RS_OK) /* (every rank stops at the same array: they fail it together) */
+            return failure(f, c, rank, st, detail);
+    }
+    return NULL;
 }
 
 /* Another call of this process set is running: the two were not ordered (separate
@@ -227,12 +251,13 @@ static void *run_call(const struct rs_xla_frame *f, rs_engine_t *engine, call_t 
  * orders. This one is refused in its place in the call order (the peers' matching call
  * fails too, naming it), so that no pair meets the wrong peer. */
 static void *refuse_concurrent(const struct rs_xla_frame *f, rs_engine_t *engine,
-                               const call_t *c, int rank) {
+                               call_t *c, int rank) {
     static const char why[] =
         "another collective of its process set was running at the same time (collectives "
         "of two compiled programs, or of separate jitted functions or loop bodies, that "
         "nothing orders); order them by data, wait for the first program's results, or set "
         "RINGSYNC_JAX_ORDERED=1";
+    snprintf(c->name, sizeof c->name, "%s", c->base);
     rs_engine_refuse(engine, c->name, RS_KIND_ALLREDUCE, why, 1);
     return failure(f, c, rank, RS_ERR_USAGE, why);
 }

@@ -159,16 +159,22 @@ def allreduce(x, op, prescale, postscale, name, process_set, kept=False):
     """x reduced over process_set's ranks, as a custom call of the program being traced,
     after the trace's previous call. kept: declared side-effecting, so that XLA keeps it
     even if nothing uses its result (a rank that drops it must still take part)."""
-    if x.ndim > 8:
-        x_shape = x.shape
-        return allreduce(x.reshape(-1), op, prescale, postscale, name, process_set, kept) \
-            .reshape(x_shape)
+    return allreduce_many([x], op, prescale, postscale, name, process_set, kept)[0]
+
+
+def allreduce_many(xs, op, prescale, postscale, name, process_set, kept=False):
+    """Each of xs reduced over process_set's ranks, one after another, by one custom call
+    (after the trace's previous call), each result in its operand's memory where XLA can
+    give it (input_output_aliases: no copy out)."""
+    shapes = [x.shape for x in xs]
+    xs = [x.reshape(-1) if x.ndim > 8 else x for x in xs]
     after, name = CHAIN.take(name)
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype),
-                            has_side_effect=ORDERED or kept)
-    operands = (x,) if after is None else (x, after)
+    call = jax.ffi.ffi_call(TARGET, [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs],
+                            has_side_effect=ORDERED or kept,
+                            input_output_aliases={i: i for i in range(len(xs))})
+    operands = list(xs) if after is None else list(xs) + [after]
     out = call(*operands, slot=np.int64(SLOTS.slot(process_set)),
                op=np.int64(_OP_CODES[ReduceOp(op)]), prescale=np.float64(prescale),
                postscale=np.float64(postscale), name=name)
-    CHAIN.give([out])
-    return out
+    CHAIN.give(out)
+    return [o.reshape(shape) for o, shape in zip(out, shapes)]

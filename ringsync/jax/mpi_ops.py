@@ -187,21 +187,35 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     return compression.decompress(out, ctx)
 
 
+FUSE_BELOW_BYTES = 64 << 10  # smaller arrays of a dtype travel concatenated
+
+
 def concatenated_reduce(xs, op, prescale, postscale, name, process_set):
-    """xs reduced with one allreduce per dtype: each dtype's arrays are concatenated
-    (inside a jitted program XLA fuses that copy), reduced, and cut back."""
+    """xs reduced with one custom call per dtype: that dtype's arrays below
+    FUSE_BELOW_BYTES concatenated into one (inside a jitted program XLA fuses the copy),
+    the larger ones as they are (reduced in place, no copy); on the callback path, one
+    concatenated array per dtype."""
     groups = {}
     for i, x in enumerate(xs):
         groups.setdefault(jnp.dtype(x.dtype), []).append(i)
     out = [None] * len(xs)
     for dtype, where in groups.items():
-        flat = jnp.concatenate([xs[i].reshape(-1) for i in where])
-        reduced = _reduce_one(flat, op, prescale, postscale,
-                              None if name is None else f"{name}.{dtype.name}", process_set)
+        in_place = _traced(xs) and _xla.usable(dtype, op)
+        small = [i for i in where if not in_place or xs[i].nbytes < FUSE_BELOW_BYTES]
+        large = [i for i in where if i not in small]
+        parts = [jnp.concatenate([xs[i].reshape(-1) for i in small])] if small else []
+        group_name = None if name is None else f"{name}.{dtype.name}"
+        if in_place:
+            reduced = _xla.allreduce_many(parts + [xs[i] for i in large], op, prescale,
+                                          postscale, group_name, process_set)
+        else:
+            reduced = [_reduce_one(parts[0], op, prescale, postscale, group_name, process_set)]
         start = 0
-        for i in where:
-            out[i] = reduced[start:start + xs[i].size].reshape(xs[i].shape)
+        for i in small:
+            out[i] = reduced[0][start:start + xs[i].size].reshape(xs[i].shape)
             start += xs[i].size
+        for i, r in zip(large, reduced[len(parts):]):
+            out[i] = r
     return out
 
 

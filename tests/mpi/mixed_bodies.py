@@ -1,5 +1,6 @@
-"""Ranks of one job using different frameworks: rank % 3 == 0 reduces torch tensors,
-1 TensorFlow tensors, 2 numpy arrays, under the same names; every rank gets the same."""
+"""Ranks of one job using different frameworks: rank % 4 == 0 reduces torch tensors,
+1 TensorFlow tensors, 2 numpy arrays, 3 JAX arrays (its allreduces inside jax.jit: the
+core's XLA custom call), under the same names; every rank gets the same bytes."""
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -10,7 +11,24 @@ from tests.common.reference import assert_reduced, rank_input  # noqa: E402
 
 
 def _framework(rank):
-    return ["torch", "tensorflow", "numpy"][rank % 3]
+    return ["torch", "tensorflow", "numpy", "jax"][rank % 4]
+
+
+def _jax_rank():
+    import jax
+    jax.config.update("jax_enable_x64", True)
+    import jax.numpy as jnp
+    import ringsync.jax as hvd
+
+    class Jitted:  # hvd's names, with allreduce compiled into a jitted function
+        allgather, broadcast = hvd.allgather, hvd.broadcast
+        Sum, Average, Max = hvd.Sum, hvd.Average, hvd.Max
+
+        @staticmethod
+        def allreduce(x, op, name):
+            return jax.jit(lambda t: hvd.allreduce(t, op=op, name=name))(x)
+
+    return Jitted, jnp.asarray, np.asarray
 
 
 def mixed_frameworks_agree():
@@ -26,6 +44,8 @@ def mixed_frameworks_agree():
         import tensorflow as tf
         import ringsync.tensorflow as hvd
         to, back = tf.constant, lambda t: t.numpy()
+    elif kind == "jax":
+        hvd, to, back = _jax_rank()
     else:
         hvd, to, back = ringsync, (lambda a: a), (lambda a: a)
     for dtype in ["float32", "float64", "int32"]:

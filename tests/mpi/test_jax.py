@@ -67,3 +67,14 @@ def test_the_example_matches_one_process_under_ringsync_run():
         status, output = run_to_deadline(launcher + args, env, 300, cwd=root)
         assert status == 0, f"{args}: exit status {status}; every rank's output:\n{output}"
         assert output.count(expected) == 2, output
+
+
+def test_jax_ranks_join_torch_tensorflow_and_numpy_ranks():
+    """Rank 3 reduces JAX arrays inside jax.jit, ranks 0-2 torch, TensorFlow and numpy
+    ones, under the same names, on one ring: every rank ends with the same bytes."""
+    pytest.importorskip("torch")
+    pytest.importorskip("tensorflow")
+    from . import mixed_bodies
+    assert_mpi_ok(mixed_bodies.mixed_frameworks_agree, np=4, timeout=300,
+                  env=dict(ENV, TF_CPP_MIN_LOG_LEVEL="3", TF_NUM_INTEROP_THREADS="2",
+                           TF_NUM_INTRAOP_THREADS="1"))
