@@ -1,18 +1,21 @@
-"""One job, two frameworks: even ranks train a torch DDP model, odd ranks a Keras model,
-and after each epoch all of them average their parameters over ringsync's ring.
+"""One job, two or three frameworks: even ranks train a torch DDP model, odd ranks a Keras
+model (with `--frameworks torch keras jax`: rank % 3 picks torch, Keras or JAX), and after
+each epoch all of them average their parameters over ringsync's ring.
 
 The model is a float64 softmax regression on scikit-learn's 8x8 digits (one
 torch.nn.Linear(64, 10) on the torch ranks, one keras Dense(10) on the Keras ranks), from
 the same initial weights everywhere. Every step takes the same global batch on every
-rank: the torch ranks share its first half (DDP on a torch.distributed "ringsync" group of
-the torch ranks), the Keras ranks its second half (hvd.DistributedOptimizer on a process
-set of the Keras ranks). At the end of each epoch every rank averages weight and bias with
-ringsync.allreduce over the whole job and loads the average back: the two frameworks meet
-on one ring.
+rank: the torch ranks share its first part (DDP on a torch.distributed "ringsync" group of
+the torch ranks), the Keras ranks the next (hvd.DistributedOptimizer on a process set of
+the Keras ranks), the JAX ranks the last (ringsync.jax's DistributedOptimizer around
+optax.sgd, on a process set of the JAX ranks, in a jitted step). At the end of each epoch
+every rank averages weight and bias with ringsync.allreduce over the whole job and loads
+the average back: the frameworks meet on one ring.
 
     ringsync run -np 4 examples/mixed_ddp_keras.py
     ringsync run -np 4 examples/mixed_ddp_keras.py --check --epochs 2   # exit 1 unless
         # every rank's parameters match a numpy reference of the procedure (rtol 1e-9)
+    ringsync run -np 3 examples/mixed_ddp_keras.py --frameworks torch keras jax --batch 60
 """
 import argparse
 import hashlib
@@ -39,6 +42,9 @@ def parse_args():
     parser.add_argument("--batch", type=int, default=64, help="global batch size")
     parser.add_argument("--lr", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--frameworks", nargs="+", default=["torch", "keras"],
+                        choices=["torch", "keras", "jax"],
+                        help="rank r runs frameworks[r %% len(frameworks)]; torch first")
     parser.add_argument("--check", action="store_true",
                         help=f"exit with status 1 unless the parameters match a numpy "
                              f"reference of the whole procedure to rtol {RTOL}")
@@ -62,12 +68,12 @@ def global_batches(n, batch, seed, epoch):
     return [order[s * batch:(s + 1) * batch] for s in range(n // batch)]
 
 
-def my_rows(batch, side, index, count):
-    """This rank's rows of a global batch: side 0 (torch) takes its first half, side 1
-    (Keras) its second, shared equally among the side's `count` ranks."""
-    half = len(batch) // 2
-    rows = batch[side * half:(side + 1) * half]
-    share = half // count
+def my_rows(batch, side, index, count, sides):
+    """This rank's rows of a global batch: side s of `sides` takes its s-th part, shared
+    equally among the side's `count` ranks."""
+    part = len(batch) // sides
+    rows = batch[side * part:(side + 1) * part]
+    share = part // count
     return rows[index * share:(index + 1) * share]
 
 
@@ -114,8 +120,10 @@ class TorchSide:
     def _shared_store_dir(torch_set):
         """A fresh directory for the group's FileStore, made by rank 0 and sent to the other
         torch ranks over the torch process set (ranks on one host, or a shared disk)."""
-        made = tempfile.mkdtemp(prefix="mixed-ddp-keras-") if ringsync.rank() == 0 else None
-        return ringsync.broadcast_object(made, 0, name="mixed.store_dir", process_set=torch_set)
+        first = torch_set.ranks[0]
+        made = tempfile.mkdtemp(prefix="mixed-ddp-keras-") if ringsync.rank() == first else None
+        return ringsync.broadcast_object(made, first, name="mixed.store_dir",
+                                         process_set=torch_set)
 
     def train_step(self, x, y):
         torch = self.torch
@@ -178,6 +186,52 @@ class KerasSide:
         pass
 
 
+# --- JAX side --------------------------------------------------------------------------
+
+class JaxSide:
+    """A JAX softmax regression in a jitted step: ringsync.jax's DistributedOptimizer
+    averages the gradients over the JAX process set (the core's XLA custom call)."""
+
+    def __init__(self, args, jax_set):
+        import jax
+        jax.config.update("jax_enable_x64", True)
+        import jax.numpy as jnp
+        import optax
+        import ringsync.jax as hvd
+        self.jnp = jnp
+        tx = hvd.DistributedOptimizer(optax.sgd(args.lr), process_set=jax_set)
+
+        def loss(params, x, y):
+            logits = x @ params["weight"].T + params["bias"]
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        @jax.jit
+        def step(params, opt_state, x, y):
+            updates, opt_state = tx.update(jax.grad(loss)(params, x, y), opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        self.tx, self.step = tx, step
+        self.state = None
+
+    def train_step(self, x, y):
+        self.state = self.step(*self.state, x, y)
+
+    def params(self):
+        p = self.state[0]
+        return flat(np.asarray(p["weight"]), np.asarray(p["bias"]))
+
+    def load(self, params):
+        weight, bias = unflat(params)
+        p = {"weight": self.jnp.asarray(weight), "bias": self.jnp.asarray(bias)}
+        self.state = (p, self.tx.init(p))  # (plain SGD keeps no state to lose)
+
+    def close(self):
+        pass
+
+
+SIDES = {"torch": TorchSide, "keras": KerasSide, "jax": JaxSide}
+
+
 # --- the procedure, and its numpy reference --------------------------------------------
 
 def average_over_job(side, epoch):
@@ -190,7 +244,7 @@ def average_over_job(side, epoch):
 def train(side, args, x, y, side_index, index, count):
     for epoch in range(args.epochs):
         for batch in global_batches(len(x), args.batch, args.seed, epoch):
-            rows = my_rows(batch, side_index, index, count)
+            rows = my_rows(batch, side_index, index, count, len(args.frameworks))
             side.train_step(x[rows], y[rows])
         average_over_job(side, epoch)
 
@@ -206,18 +260,18 @@ def softmax_regression_step(params, x, y, lr):
     return params - lr * flat(p.T @ x, p.sum(axis=0))
 
 
-def reference(args, x, y, torch_count, keras_count):
-    """The procedure as one process per framework side, each on its half of every batch,
+def reference(args, x, y, counts):
+    """The procedure as one process per framework side, each on its part of every batch,
     then the job's average (each side weighted by its number of ranks) after each epoch."""
     start = flat(*initial_weights(args.seed))
-    sides = [start.copy(), start.copy()]
+    sides = [start.copy() for _ in counts]
     for epoch in range(args.epochs):
         for batch in global_batches(len(x), args.batch, args.seed, epoch):
-            for s in (0, 1):
-                rows = my_rows(batch, s, 0, 1)
+            for s in range(len(counts)):
+                rows = my_rows(batch, s, 0, 1, len(counts))
                 sides[s] = softmax_regression_step(sides[s], x[rows], y[rows], args.lr)
-        mean = (torch_count * sides[0] + keras_count * sides[1]) / (torch_count + keras_count)
-        sides = [mean.copy(), mean.copy()]
+        mean = sum(c * p for c, p in zip(counts, sides)) / sum(counts)
+        sides = [mean.copy() for _ in counts]
     return sides[0]
 
 
@@ -237,44 +291,47 @@ def check(params, want, label):
 
 # --- the job ---------------------------------------------------------------------------
 
-def make_process_sets():
-    """(torch ranks' set, Keras ranks' set): every rank registers both, in this order, as
-    Horovod requires, even the ones it is not in."""
+def make_process_sets(sides):
+    """One process set per framework side (side s: the ranks r with r % sides == s): every
+    rank registers them all, in this order, as Horovod requires, even the ones it is not
+    in."""
     size = ringsync.size()
-    return (ringsync.add_process_set(list(range(0, size, 2))),
-            ringsync.add_process_set(list(range(1, size, 2))))
+    return [ringsync.add_process_set(list(range(s, size, sides))) for s in range(sides)]
 
 
-def exit_on_bad_sizes(args, torch_set, keras_set):
-    half = args.batch // 2
-    if half % torch_set.size() or half % keras_set.size():
-        # DDP and DistributedOptimizer average per-rank means: equal shares keep that the
-        # mean over the side's half of the batch
-        sys.exit(f"half the batch ({half}) must divide among both the "
-                 f"torch ranks ({torch_set.size()}) and the Keras ranks ({keras_set.size()})")
+def exit_on_bad_sizes(args, sets):
+    part = args.batch // len(sets)
+    if args.batch % len(sets) or any(part % s.size() for s in sets):
+        # DDP and the DistributedOptimizers average per-rank means: equal shares keep that
+        # the mean over the side's part of the batch
+        sys.exit(f"the batch ({args.batch}) must split into {len(sets)} equal parts, each "
+                 f"dividing among its side's ranks ({[s.size() for s in sets]})")
 
 
 def main():
     args = parse_args()
     ringsync.init()
-    if ringsync.size() < 2:
-        sys.exit("needs 2 or more ranks: even ones run torch, odd ones Keras")
-    torch_set, keras_set = make_process_sets()
-    exit_on_bad_sizes(args, torch_set, keras_set)
+    kinds = args.frameworks
+    if ringsync.size() < len(kinds) or kinds[0] != "torch" or len(set(kinds)) != len(kinds):
+        sys.exit(f"needs at least {len(kinds)} ranks, and --frameworks starting with torch, "
+                 f"each once: rank r runs frameworks[r % {len(kinds)}]")
+    sets = make_process_sets(len(kinds))
+    exit_on_bad_sizes(args, sets)
     rank = ringsync.rank()
-    side_index, my_set = rank % 2, (torch_set, keras_set)[rank % 2]
-    side = TorchSide(args, torch_set) if side_index == 0 else KerasSide(args, keras_set)
+    side_index = rank % len(kinds)
+    my_set = sets[side_index]
+    side = SIDES[kinds[side_index]](args, my_set)
     side.load(flat(*initial_weights(args.seed)))
     x_train, x_test, y_train, y_test = load_data(args.seed)
     train(side, args, x_train, y_train, side_index, my_set.rank(), my_set.size())
     params = side.params()
-    label = f"rank {rank} ({['torch', 'keras'][side_index]})"
+    label = f"rank {rank} ({kinds[side_index]})"
     if rank == 0:
         print(f"test accuracy of the averaged model after {args.epochs} epochs on "
               f"{ringsync.size()} ranks: {side.accuracy(x_test, y_test):.4f}", flush=True)
     print(f"{label}: digest {digest(params)}", flush=True)
     passed = not args.check or check(params, reference(args, x_train, y_train,
-                                                       torch_set.size(), keras_set.size()), label)
+                                                       [s.size() for s in sets]), label)
     close(side)
     sys.exit(0 if passed else 1)
 
@@ -283,7 +340,7 @@ def close(side):
     """Ends the torch group, then (once no torch rank uses it) removes its FileStore."""
     side.close()
     ringsync.barrier()
-    if ringsync.rank() == 0:
+    if getattr(side, "store_dir", None) and ringsync.rank() == 0:
         shutil.rmtree(side.store_dir, ignore_errors=True)
     ringsync.shutdown()
 

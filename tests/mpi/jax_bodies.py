@@ -366,3 +366,51 @@ def unordered_programs_fail_loudly():
         results
     np.testing.assert_array_equal(hvd.allreduce(x, op=hvd.Sum), expected)
     hvd.shutdown()
+
+
+def checkpoints_of_pytrees(folder):
+    """A pytree (float32, bfloat16 and int leaves, an optax state) saved on every rank
+    (each writing its slices) loads back equal on every rank, and on a set of rank 0
+    alone (another rank count); a leaf of another shape is named; a part that would run
+    code on load is refused."""
+    import pickle
+    from ringsync.checkpoint import CheckpointError
+    import ringsync.jax.checkpoint as ckpt
+    hvd.init()
+    me = hvd.rank()
+    params = {"w": jnp.arange(37.0, dtype=jnp.float32).reshape(37, 1) / 7,
+              "b": jnp.arange(5, dtype=jnp.bfloat16), "n": jnp.arange(11, dtype=jnp.int32)}
+    tree = {"params": params, "opt": optax.adam(1e-3).init(params)}
+    ckpt.save(folder, tree, step=7)
+    zeros = jax.tree.map(jnp.zeros_like, tree)
+    got, extra = ckpt.load(folder, zeros)
+    assert extra == {"step": 7}, extra
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(tree)):
+        _same(a, np.asarray(b), "loaded leaf")
+    alone = hvd.add_process_set([0])
+    if me == 0:
+        got, _ = ckpt.load(folder, zeros, process_set=alone)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(tree)):
+            _same(a, np.asarray(b), "loaded on one rank")
+    hvd.barrier()
+    try:
+        ckpt.load(folder, {**zeros, "params": {**zeros["params"], "w": jnp.zeros((36, 1))}})
+    except CheckpointError as error:
+        assert "['params']['w']" in str(error) and "[37, 1]" in str(error), error
+    else:
+        raise AssertionError("a leaf of another shape was loaded")
+    hvd.barrier()
+    if me == 0:  # a part that would call os.system when unpickled
+        class Evil:
+            def __reduce__(self):
+                return (os.system, ("true",))
+        evil = os.path.join(folder, "evil.pt")
+        with open(evil, "wb") as f:
+            pickle.dump({"format": 1, "pieces": {}, "whole": {"x": Evil()}}, f)
+        try:
+            ckpt.CODEC.load(evil)
+        except pickle.UnpicklingError as error:
+            assert "posix.system is not allowed" in str(error), error
+        else:
+            raise AssertionError("a part that runs code was loaded")
+    hvd.shutdown()

@@ -43,6 +43,12 @@ def test_gradients_training_and_errors(np):
                                                   "training_matches_one_process:float32"]))
 
 
+@pytest.mark.parametrize("np", [1, 2, 3])
+def test_checkpoints_of_pytrees(np, tmp_path):
+    assert_mpi_ok(in_order.run, np=np, timeout=300, env=ENV,
+                  args=in_order.args_for(MODULE, [f"checkpoints_of_pytrees:{tmp_path}"]))
+
+
 def test_unordered_collectives_pair_up_with_xlas_own_threads():
     env = {k: v for k, v in ENV.items() if k != "XLA_FLAGS"}
     assert_mpi_ok(in_order.run, np=2, timeout=300, env=env,
