@@ -35,7 +35,7 @@ def broadcast_parameters(params, root_rank=0, process_set=PS):
     comm = _comm(process_set)
     out = list(host)
     for dtype, where in _by_dtype(host).items():
-        flat = np.concatenate([host[i].reshape(-1) for i in where]) if where else None
+        flat = np.concatenate([host[i].reshape(-1) for i in where])
         flat = comm.broadcast(flat, root_rank, None)
         start = 0
         for i in where:

@@ -227,28 +227,36 @@ def _grouped_reduce(xs, op, prescale, postscale, name, process_set):
                 xs, [_spec(x.shape, x.dtype) for x in xs], "grouped_allreduce")
 
 
+def reduce_tree(tensors, op, compression, reduce, what):
+    """The leaves of a pytree compressed, reduced together by reduce(list of arrays,
+    for_gradient) (differentiable for Sum and Average: the gradient is reduced the same
+    way) and decompressed; the same structure back."""
+    leaves, tree = jax.tree.flatten(tensors)
+    if not leaves:
+        return tensors
+    pairs = [compression.compress(x) for x in _arrays(leaves, what)]
+
+    def grad(gs):
+        check_differentiable(op, f"jax.{what}")
+        return reduce(list(gs), True)
+
+    out = _differentiable(lambda *xs: reduce(list(xs), False), grad,
+                          [w for w, _ in pairs], what)
+    return jax.tree.unflatten(tree, [compression.decompress(o, c)
+                                     for o, (_, c) in zip(out, pairs)])
+
+
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
                       prescale_factor=1.0, postscale_factor=1.0, process_set=PS):
     """The leaves of a pytree (a list of arrays, say), each reduced as allreduce would,
     as one unit; returns the same structure. Differentiable for Sum and Average."""
     op = resolve_op(average, op, "jax.grouped_allreduce")
-    leaves, tree = jax.tree.flatten(tensors)
-    if not leaves:
-        return tensors
-    pairs = [compression.compress(x) for x in _arrays(leaves, "grouped_allreduce")]
 
-    def primal(*xs):
-        return _grouped_reduce(list(xs), op, prescale_factor, postscale_factor, name,
-                               process_set)
+    def reduce(xs, for_gradient):
+        return _grouped_reduce(xs, op, prescale_factor, postscale_factor,
+                               grad_name(name) if for_gradient else name, process_set)
 
-    def grad(gs):
-        check_differentiable(op, "jax.grouped_allreduce")
-        return _grouped_reduce(list(gs), op, prescale_factor, postscale_factor,
-                               grad_name(name), process_set)
-
-    out = _differentiable(primal, grad, [w for w, _ in pairs], "grouped_allreduce")
-    return jax.tree.unflatten(tree, [compression.decompress(o, c)
-                                     for o, (_, c) in zip(out, pairs)])
+    return reduce_tree(tensors, op, compression, reduce, "grouped_allreduce")
 
 
 # ---------------------------------------------------------------------------- allgather

@@ -10,12 +10,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ringsync._adapters import check_differentiable
 from ringsync.errors import UsageError
 from ringsync.ops import ReduceOp
 
 from .compression import Compression
-from .mpi_ops import PS, Average, _arrays, _differentiable, concatenated_reduce
+from .mpi_ops import PS, Average, concatenated_reduce, reduce_tree
 
 
 def fused_allreduce(tree, op=Average, prescale_factor=1.0, postscale_factor=1.0,
@@ -23,22 +22,10 @@ def fused_allreduce(tree, op=Average, prescale_factor=1.0, postscale_factor=1.0,
     """Every leaf of a pytree reduced over the ranks with one allreduce per dtype (the
     leaves of a dtype concatenated); returns the same structure. Differentiable for Sum
     and Average."""
-    leaves, treedef = jax.tree.flatten(tree)
-    if not leaves:
-        return tree
-    pairs = [compression.compress(x) for x in _arrays(leaves, "fused_allreduce")]
-
-    def reduce(*xs):
-        return concatenated_reduce(list(xs), op, prescale_factor, postscale_factor, None,
-                                   process_set)
-
-    def grad(gs):
-        check_differentiable(op, "jax.fused_allreduce")
-        return reduce(*gs)
-
-    out = _differentiable(reduce, grad, [w for w, _ in pairs], "fused_allreduce")
-    return jax.tree.unflatten(treedef, [compression.decompress(o, c)
-                                        for o, (_, c) in zip(out, pairs)])
+    return reduce_tree(tree, op, compression,
+                       lambda xs, _: concatenated_reduce(xs, op, prescale_factor,
+                                                         postscale_factor, None, process_set),
+                       "fused_allreduce")
 
 
 def DistributedOptimizer(optimizer, compression=Compression.none, backward_passes_per_step=1,
