@@ -1,16 +1,20 @@
-"""Elastic recovery time: from a SIGKILLed rank to the survivors' next completed step.
+"""Elastic recovery time: from a SIGKILLed rank to the survivors' next completed step, with
+Open MPI's ULFM and without MPI (a store rendezvous), in one run.
 
 Runs the PyTorch elastic test body (torch_training in tests/faults/test_elastic.py:
 TorchState, DistributedOptimizer, a kill while the victim's gradient reductions are in
-flight) on N ranks under `mpirun --with-ft ulfm`, with and without --respawn, a few
-times each:
+flight) on N ranks, with and without --respawn, a few times each, started by
+`mpirun --with-ft ulfm` and by `ringsync run --launcher local --elastic`:
 
     python benchmarks/elastic_recovery.py            # from the repository root
     python benchmarks/elastic_recovery.py --np 4 --repeat 5
 
 Reported per mode: the time from the kill (stamped by the victim just before it kills
 itself) to the first training step completed after recovery (the slowest survivor),
-and the recovery itself as the new rank 0 logs it (abort, shrink, spawn, rebuild).
+and the recovery itself as the new rank 0 logs it (abort, agreement on the survivors,
+spawn or admission, rebuild). Under ULFM a replacement is spawned inside the recovery;
+through the store it is started by the launcher and joins at a later commit, so the
+survivors do not wait for it.
 """
 import argparse
 import glob
@@ -18,6 +22,7 @@ import json
 import os
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 
@@ -27,19 +32,39 @@ from ringsync.testing import run_mpi  # noqa: E402
 LOGGED = re.compile(r"recovery took ([0-9.]+) s")
 
 
-def one_run(np: int, respawn: bool):
+def run_ulfm(np: int, respawn: bool, env: dict) -> str:
+    env = dict(env, RINGSYNC_ELASTIC_RESPAWN="1" if respawn else "0")
+    result = run_mpi("tests.faults.test_elastic:torch_training", np=np, timeout=180,
+                     env=env, mpirun_args=("--with-ft", "ulfm"))
+    if result.returncode != 0 or result.timed_out:
+        raise SystemExit(result.report())
+    return result.output
+
+
+def run_store(np: int, respawn: bool, env: dict) -> str:
+    command = [sys.executable, "-m", "ringsync.launch.cli", "run", "--launcher", "local",
+               "--elastic", "-np", str(np)] + (["--respawn"] if respawn else []) + [
+        sys.executable, "-c",
+        "from tests.faults.test_elastic import torch_training; torch_training()"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(command, env=dict(os.environ, PYTHONPATH=root, **env), cwd=root,
+                          capture_output=True, text=True, timeout=180)
+    if done.returncode != 0:
+        raise SystemExit(done.stdout + done.stderr)
+    return done.stdout + done.stderr
+
+
+def one_run(np: int, respawn: bool, launch):
     with tempfile.TemporaryDirectory(prefix="ringsync-recovery-") as folder:
         env = {"RINGSYNC_TEST_DIR": folder, "RINGSYNC_TEST_VICTIM": "1",
-               "RINGSYNC_TEST_KILL_STEP": "6", "RINGSYNC_ELASTIC_RESPAWN": "1" if respawn else "0"}
-        result = run_mpi("tests.faults.test_elastic:torch_training", np=np, timeout=180,
-                         env=env, mpirun_args=("--with-ft", "ulfm"))
-        if result.returncode != 0 or result.timed_out:
-            raise SystemExit(result.report())
+               "RINGSYNC_TEST_KILL_STEP": "6", "OMP_NUM_THREADS": "1",
+               "RINGSYNC_TIMEOUT_SECONDS": "60"}
+        output = launch(np, respawn, env)
         killed = [json.load(open(p))["time"] for p in glob.glob(os.path.join(folder, "killed-*"))]
         records = [json.load(open(p)) for p in glob.glob(os.path.join(folder, "result-*.json"))]
         survivors = [r for r in records if r["original_rank"] >= 0]
         next_step = max(r["first_step_after_recovery"] for r in survivors)
-        logged = float(LOGGED.search(result.output).group(1))
+        logged = float(LOGGED.search(output).group(1))
         return next_step - killed[0], logged, len(records)
 
 
@@ -49,13 +74,15 @@ def main():
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
     print(f"{args.np} ranks, rank 1 killed mid-allreduce at step 6; median of {args.repeat} runs")
-    print(f"{'mode':<12} {'kill -> next step (s)':>22} {'logged recovery (s)':>20} {'final size':>11}")
-    for respawn in (False, True):
-        runs = [one_run(args.np, respawn) for _ in range(args.repeat)]
-        total = statistics.median(r[0] for r in runs)
-        logged = statistics.median(r[1] for r in runs)
-        print(f"{'--respawn' if respawn else 'shrink':<12} {total:>22.3f} {logged:>20.3f} "
-              f"{runs[0][2]:>11}")
+    print(f"{'mode':<20} {'kill -> next step (s)':>22} {'logged recovery (s)':>20} "
+          f"{'records':>8}")
+    for name, launch in (("ulfm", run_ulfm), ("store", run_store)):
+        for respawn in (False, True):
+            runs = [one_run(args.np, respawn, launch) for _ in range(args.repeat)]
+            total = statistics.median(r[0] for r in runs)
+            logged = statistics.median(r[1] for r in runs)
+            mode = f"{name} {'--respawn' if respawn else 'shrink'}"
+            print(f"{mode:<20} {total:>22.3f} {logged:>20.3f} {runs[0][2]:>8}", flush=True)
 
 
 if __name__ == "__main__":

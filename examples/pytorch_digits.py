@@ -140,6 +140,7 @@ def main():
         print(f"test accuracy on {hvd.size()} ranks: {accuracy:.4f}", flush=True)
     hvd.shutdown()
     exit_unless_accurate(accuracy, args.check, is_root)
+    return accuracy
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ objects. This module only hands names on.
 from .config import Config
 from .errors import (CommunicationError, CommunicationTimeout, HorovodInternalError,
                      HostsUpdatedInterrupt, MismatchError, NotInitializedError, RingsyncError,
-                     UsageError)
+                     StoreLostError, UsageError)
 from .ops import ReduceOp
 
 __version__ = "0.1.0"
@@ -53,5 +53,5 @@ __all__ = [
     "Handle", "Sum", "Average", "Min", "Max", "Adasum",
     "Product", "ReduceOp", "Communicator", "Config", "RingsyncError", "UsageError",
     "NotInitializedError", "MismatchError", "CommunicationError", "CommunicationTimeout", "HorovodInternalError",
-    "HostsUpdatedInterrupt",
+    "HostsUpdatedInterrupt", "StoreLostError",
 ]

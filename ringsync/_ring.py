@@ -121,7 +121,7 @@ class NativeRing:
 
     def _connect_ring(self, infos):
         addresses = bootstrap.connect_addresses(infos)
-        keys = self.rendezvous.bcast(bootstrap.JobKeys.new() if self.rank == 0 else None, root=0)
+        keys = self.rendezvous.job_keys()
         keep = [ffi.new("char[]", s.encode()) for s in addresses + self.host_names]
         hosts, names = keep[: self.size], keep[self.size:]
         status = lib.rs_comm_connect(self.c, ffi.new("const char *[]", hosts),

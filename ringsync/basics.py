@@ -7,14 +7,16 @@ MPI_Finalize (see _skip_mpi_finalize_under_fault_tolerance): it must come before
 first import of mpi4py.MPI, so the package face imports it first.
 """
 import atexit
+import os
 import sys
 import traceback
 
-from . import bootstrap
+from . import bootstrap, rendezvous_env
 from . import process_sets as sets  # (init's argument has the module's name, as Horovod's)
 from ._context import JOB, default, resolve
 from ._core import Communicator
 from .errors import CommunicationError, UsageError
+from .rendezvous import Rendezvous
 
 
 def _skip_mpi_finalize_under_fault_tolerance():
@@ -36,11 +38,17 @@ def _skip_mpi_finalize_under_fault_tolerance():
 _skip_mpi_finalize_under_fault_tolerance()
 
 
-def init(comm=None, process_sets=None):
-    """Build the ring over `comm` (an mpi4py intracommunicator; MPI.COMM_WORLD by default)
-    and the process sets given (a list of ProcessSet, each a ring of its own; "dynamic" is
-    accepted: sets can always be added later). In a replacement rank started by elastic
-    recovery (--respawn), the default is the communicator shared with the survivors.
+def init(comm=None, process_sets=None, rendezvous=None):
+    """Build the ring over `comm` (an mpi4py intracommunicator) and the process sets given
+    (a list of ProcessSet, each a ring of its own; "dynamic" is accepted: sets can always
+    be added later).
+
+    Without comm the ring is built over the world this process was started in
+    (rendezvous_env.find_world): MPI.COMM_WORLD under mpirun (in a replacement rank that
+    elastic recovery spawned, the communicator shared with the survivors), else a store
+    found through torchrun's / PyTorchJob's or Slurm's variables. rendezvous names it
+    outright, as RINGSYNC_RENDEZVOUS does: "mpi", "env://", "tcp://HOST:PORT",
+    "file:///DIR", or a ringsync.rendezvous.Rendezvous.
 
     As Horovod's: MPI is initialised here if mpi4py was told not to do it
     (mpi4py.rc.initialize = False); an init that fails (bad process sets) leaves ringsync
@@ -50,16 +58,28 @@ def init(comm=None, process_sets=None):
     if default() is not None:
         sets.attach_registered(process_sets)
         return
-    own = False
-    if comm is None:
-        bootstrap.ensure_mpi_initialized()
-        comm = bootstrap.replacement_world()
-        own = comm is not None
-    elif isinstance(comm, (list, tuple, range)):
+    own, meeting = False, None
+    if isinstance(comm, (list, tuple, range)):
         raise UsageError("ringsync.init: comm as a list of ranks is not supported; pass an "
                          "mpi4py communicator, or use a ProcessSet for a subset of ranks")
+    if comm is not None and rendezvous is not None:
+        raise UsageError("ringsync.init: give comm or rendezvous, not both")
+    if isinstance(rendezvous, Rendezvous):
+        meeting = rendezvous
+    elif comm is None:
+        world = rendezvous_env.find_world(os.environ, rendezvous)
+        if world.kind == "mpi":
+            bootstrap.ensure_mpi_initialized()
+            comm = bootstrap.replacement_world()
+            own = comm is not None
+        else:
+            try:
+                meeting, own = rendezvous_env.open_rendezvous(world), world.join
+            except SystemExit as finished:  # (a replacement that came too late)
+                print(finished, file=sys.stderr, flush=True)
+                raise
     bootstrap.record_start()
-    start(comm, own)
+    start(comm, own, rendezvous=meeting)
     try:
         sets.attach(JOB.default, process_sets)
     except BaseException:
@@ -67,13 +87,14 @@ def init(comm=None, process_sets=None):
         raise
 
 
-def start(comm, own_comm: bool, survivor: bool = False) -> Communicator:
-    """Make the default Communicator. A replacement rank (own_comm) that cannot build it
-    dies as a failed rank, so that the others recover again rather than wait for it; a
-    survivor of a failure (elastic recovery) gets the error and recovers again."""
+def start(comm, own_comm: bool, survivor: bool = False, rendezvous=None) -> Communicator:
+    """Make the default Communicator (over comm, or the rendezvous given). A replacement
+    rank (own_comm) that cannot build it dies as a failed rank, so that the others recover
+    again rather than wait for it; a survivor of a failure (elastic recovery) gets the
+    error and recovers again."""
     JOB.default = None
     try:
-        JOB.default = Communicator(comm, own_comm=own_comm)
+        JOB.default = Communicator(comm, own_comm=own_comm, rendezvous=rendezvous)
     except Exception as e:
         if not own_comm or survivor:
             raise
@@ -95,6 +116,9 @@ def _limit_mpi_waits(comm: Communicator) -> None:
 
 def shutdown():
     if JOB.default is not None:
+        finish = getattr(JOB.default.rendezvous, "finish", None)
+        if finish is not None and JOB.default.rank() == 0:
+            finish()  # (a store's replacements still waiting to join give up)
         sets.detach()
         JOB.default.shutdown()
         JOB.default = None

@@ -372,8 +372,8 @@ CAUSE_LIMIT = 300  # characters of a failure's cause kept in its record
 
 
 def launch_rank(environ=os.environ) -> Optional[int]:
-    """This process's rank as mpirun started it (known before MPI is initialised)."""
-    for name in RANK_VARIABLES:
+    """This process's rank as its launcher started it (known before MPI is initialised)."""
+    for name in RANK_VARIABLES + ("RANK", "SLURM_PROCID"):  # (mpirun's, then the others')
         if environ.get(name, "").isdigit():
             return int(environ[name])
     return None

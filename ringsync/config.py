@@ -269,6 +269,25 @@ class Config:
         None, "RINGSYNC_HOST_NAME", unit="name", default_text="(the host name)",
         help="the host this rank reports: ranks reporting the same name count as one host "
              "(`local_rank()`, shared memory)")
+    rendezvous: Optional[str] = _setting(
+        None, "RINGSYNC_RENDEZVOUS", unit="`mpi`, `env://`, `tcp://HOST:PORT` or `file:///DIR`",
+        default_text="(found: see Launching)",
+        help="where `init()` meets the other ranks: MPI, the torchrun/PyTorchJob variables, "
+             "ringsync's store at HOST:PORT, or a directory every rank shares. Unset: MPI "
+             "under mpirun, else the torchrun, then the Slurm variables")
+    store_port: int = _setting(
+        0, "RINGSYNC_STORE_PORT", unit="port", maximum=65535,
+        default_text="`MASTER_PORT`+1; under Slurm from `SLURM_JOB_ID`",
+        help="the port of the store rank 0 serves under `env://` or Slurm")
+    secret_file: Optional[str] = _setting(
+        None, "RINGSYNC_SECRET_FILE", unit="path", default_text="(unset)",
+        help="a file (mode 0600) holding the job's secret, which authenticates every request "
+             "to ringsync's store; `RINGSYNC_SECRET` gives it directly (never printed). "
+             "`ringsync run --launcher local` or `ssh` makes one")
+    elastic: int = _setting(
+        0, "RINGSYNC_ELASTIC", maximum=1, agreed=True,
+        help="1: under a store rendezvous, survivors of a lost rank recover in-process "
+             "(`ringsync run --launcher local --elastic`); under MPI, ULFM decides")
     elastic_min_np: int = _setting(
         1, "RINGSYNC_ELASTIC_MIN_NP", unit="ranks", minimum=1, agreed=True,
         help="elastic: end the job when fewer ranks survive (`ringsync run --min-np`)")

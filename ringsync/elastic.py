@@ -12,10 +12,12 @@
     train(state)
 
 Launched with ``ringsync run --elastic -np 4 --min-np 2 [--respawn] python train.py``
-(Open MPI's ``mpirun --with-ft ulfm``). When a rank dies, the survivors' next collective
-raises CommunicationError. run() catches it and each survivor: aborts the old ring (so
-every peer fails fast too), revokes and shrinks the MPI communicator (ULFM) to agree on
-who is left, optionally spawns replacements, rebuilds the ring, rolls back to the newest
+(Open MPI's ``mpirun --with-ft ulfm``), or without MPI with ``ringsync run --launcher
+local|ssh --elastic`` (a store rendezvous, rendezvous_store.py). When a rank dies, the
+survivors' next collective raises CommunicationError. run() catches it and each survivor:
+aborts the old ring (so every peer fails fast too), agrees on who is left (ULFM's revoke
+and shrink, or through the store), optionally takes in replacements, rebuilds the ring,
+rolls back to the newest
 commit every survivor holds, calls the reset callbacks, syncs the state from the new
 rank 0, and calls the training function again. rank() and size() report the new values.
 """
@@ -33,7 +35,7 @@ from . import bootstrap
 from .config import Config, log_enabled
 from ._context import resolve
 from ._core import Communicator
-from .errors import CommunicationError, HostsUpdatedInterrupt, UsageError
+from .errors import CommunicationError, HostsUpdatedInterrupt, StoreLostError, UsageError
 from .objects import broadcast_object
 from .rendezvous import FaultTolerance
 
@@ -119,6 +121,7 @@ class State:
         if not _rs.is_initialized():
             return
         comm = resolve()
+        self._admit_replacements(comm)
         if not hasattr(self, "_discovery"):
             self._discovery = HostDiscovery.from_config(comm.config)
         if self._discovery is None:
@@ -131,6 +134,21 @@ class State:
         if plan.leaving or plan.adding:
             raise HostsUpdatedInterrupt(skip_sync=False, hosts=plan.adding,
                                         leaving=plan.leaving)
+
+    def _admit_replacements(self, comm) -> None:
+        """Under a store rendezvous: replacement ranks waiting to join (restarted by the
+        launcher, or started by a scheduler) join the job now, at this commit, with no
+        roll-back, up to RINGSYNC_ELASTIC_MAX_NP."""
+        rendezvous = comm.rendezvous
+        if not getattr(rendezvous, "recoverable", False) or \
+                not hasattr(rendezvous, "joiners_waiting"):
+            return
+        waiting = broadcast_object(rendezvous.joiners_waiting() if comm.rank() == 0 else 0,
+                                   0, name="ringsync.elastic.joiners")
+        room = (comm.config.elastic_max_np or float("inf")) - comm.size()
+        if waiting and room > 0:
+            raise HostsUpdatedInterrupt(skip_sync=False,
+                                        hosts={"(replacements)": int(min(waiting, room))})
 
     def _roll_back(self, commit_id) -> None:
         """Recovery's roll-back: to commit_id (the newest every survivor holds), or, for a
@@ -305,7 +323,10 @@ def run(func):
 
 def _is_rank_failure(error: BaseException, comm) -> bool:
     """A failure of the ring or of MPI, even where a framework re-raised it as its own
-    error type (TensorFlow wraps exceptions raised inside its ops)."""
+    error type (TensorFlow wraps exceptions raised inside its ops); not the loss of the
+    store the job meets through, which no recovery can mend."""
+    if isinstance(error, StoreLostError):
+        return False
     if isinstance(error, CommunicationError):
         return True
     try:
@@ -373,11 +394,12 @@ class _Recovery:
         old = self.comm
         self._commit_id = commit_id
         self._old_rank, self._old_size = old.rank(), old.size()
-        if not bootstrap.fault_tolerant() or not isinstance(old.rendezvous, FaultTolerance):
+        if not isinstance(old.rendezvous, FaultTolerance) or not old.rendezvous.recoverable:
             raise CommunicationError(
                 f"rank {self._old_rank} lost its peers and cannot recover: elastic training "
-                f"needs MPI fault tolerance (ringsync run --elastic, or mpirun --with-ft ulfm). "
-                f"The failure: {error}") from error
+                f"needs MPI fault tolerance (ringsync run --elastic, or mpirun --with-ft ulfm) "
+                f"or a store rendezvous with RINGSYNC_ELASTIC=1 (ringsync run --launcher "
+                f"local|ssh --elastic). The failure: {error}") from error
         self._started = time.monotonic()
         _log(f"rank {self._old_rank} of {self._old_size}: {error}; recovering")
         old.abort(f"rank {self._old_rank} is recovering from a failure")
@@ -394,7 +416,8 @@ class _Recovery:
                      "recovering again")
         if install is not None:
             install(self.comm)
-        _warn_if_mpi_finalize_will_run()
+        if self.comm.mpi_comm is not None:
+            _warn_if_mpi_finalize_will_run()
         return self.comm
 
     def resize(self, leaving, adding: dict, install=None):
@@ -457,6 +480,6 @@ class _Recovery:
         self.commit = survivors.allreduce_min(self._commit_id)
         self._spawned = 0
         if self.config.elastic_respawn and size < self.target_size:
-            self._spawned = self.target_size - size
-            self._meeting = survivors.spawn(self._spawned)
+            self._meeting = survivors.spawn(self.target_size - size)
+            self._spawned = self._meeting.size - size  # (a store admits those waiting)
         return Communicator(rendezvous=self._meeting)

@@ -46,6 +46,12 @@ class CommunicationTimeout(CommunicationError):
     """No progress before RINGSYNC_TIMEOUT_SECONDS passed."""
 
 
+class StoreLostError(CommunicationError):
+    """The key-value store a job meets through (ringsync.store) is gone, or never
+    answered: the job cannot agree on anything any more, so elastic recovery does not
+    try; every rank ends with this error, which names the store and who served it."""
+
+
 # Horovod's name for the recoverable kind, so that Horovod-style elastic code reads the same.
 HorovodInternalError = CommunicationError
 

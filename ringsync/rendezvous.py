@@ -57,10 +57,22 @@ class Rendezvous(abc.ABC):
         """The mpi4py communicator underneath, or None where there is none."""
         return None
 
+    def job_keys(self):
+        """The ring's job id and secret: rank 0's fresh ones, broadcast (a rendezvous that
+        knows a job secret derives the ring's from it instead)."""
+        from .bootstrap import JobKeys
+        return self.bcast(JobKeys.new() if self.rank == 0 else None, root=0)
+
 
 class FaultTolerance(abc.ABC):
     """What elastic recovery asks of a rendezvous whose ranks may die: agree on who is left,
-    and optionally bring in replacements. Only MpiRendezvous (under ULFM) offers it."""
+    and optionally bring in replacements. MpiRendezvous offers it under ULFM,
+    StoreRendezvous over ringsync's store with RINGSYNC_ELASTIC=1."""
+
+    @property
+    @abc.abstractmethod
+    def recoverable(self) -> bool:
+        """Whether the survivors of a lost rank can go on here."""
 
     @abc.abstractmethod
     def shrink(self) -> Tuple[Rendezvous, List[int]]:

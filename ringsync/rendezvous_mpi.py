@@ -9,8 +9,8 @@ import math
 import time
 from typing import Optional
 
-from .bootstrap import (DeadlinePassed, bounded_allgather, bounded_bcast, bounded_min, shrink,
-                        spawn_replacements, wait_until)
+from .bootstrap import (DeadlinePassed, bounded_allgather, bounded_bcast, bounded_min,
+                        fault_tolerant, shrink, spawn_replacements, wait_until)
 from .errors import CommunicationTimeout, UsageError
 from .rendezvous import FaultTolerance, Rendezvous
 
@@ -112,6 +112,10 @@ class MpiRendezvous(Rendezvous, FaultTolerance):
         self.barrier()
         self._comm.Disconnect()
         self._owned = False  # nothing left to free
+
+    @property
+    def recoverable(self) -> bool:
+        return fault_tolerant()
 
     def shrink(self):
         survivors, lost = shrink(self._comm)

@@ -27,6 +27,10 @@ pytest_plugins = ["ringsync.pytest_plugin"]
 
 # mpirun jobs whose ranks import PyTorch or TensorFlow (seconds per rank, on every rank).
 SLOW_FRAMEWORKS = [
+    "tests/mpi/test_launchers.py::test_torchrun_without_a_secret_meets_at_torchruns_store",
+    "tests/mpi/test_launchers.py::test_slurm_variables_alone",
+    "tests/hosts/test_pods.py::test_pods_with_pytorchjob_variables_alone",
+    "tests/faults/test_store_elastic.py::test_a_replacement_joins_at_the_next_commit",
     "tests/mpi/test_torch.py::test_torch[2]",
     "tests/mpi/test_torch_distributed.py::test_collective_matrix_under_torchrun[ringsync-3]",
     "tests/mpi/test_torch_distributed.py::test_collective_matrix_under_torchrun[gloo-2]",

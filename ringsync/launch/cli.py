@@ -24,7 +24,7 @@ import sys
 import tempfile
 
 from ringsync.errors import LauncherError
-from ringsync.launch import doctor, mpirun, process
+from ringsync.launch import direct, doctor, mpirun, process
 from ringsync.launch.config_file import apply_config_file, log_level_type, number_type
 from ringsync.launch.mpirun import RunOptions
 
@@ -99,6 +99,19 @@ _SWITCH = 0  # nargs of an ignored option without a value
 RUN_OPTIONS = [
     (("-np", "-n", "--num-proc"),
      dict(dest="np", type=int, metavar="N", help="number of ranks to start")),
+    (("--launcher",),
+     dict(dest="launcher", choices=("mpirun", "local", "ssh"),
+          help="how the ranks start: mpirun (the default where it is installed), local "
+               "(this host, no MPI; the default without mpirun) or ssh (the hosts of -H, "
+               "no MPI); local and ssh meet through a store the launcher serves")),
+    (("--ssh-agent",),
+     dict(dest="ssh_agent", metavar="PROGRAM",
+          help="--launcher ssh: a program called as ssh is (PROGRAM HOST COMMAND) instead "
+               "of ssh")),
+    (("--store-address",),
+     dict(dest="store_address", metavar="ADDRESS",
+          help="--launcher ssh: the address at which the ranks reach this launcher's "
+               "store (default: this host's routable address)")),
     (("-H", "--hosts"),
      dict(dest="hosts", metavar="HOST:SLOTS,...", help="hosts and their slots, as mpirun -H")),
     (("-hostfile", "--hostfile"),
@@ -366,9 +379,24 @@ def check_elastic_options(options: RunOptions) -> str | None:
     return None
 
 
+def choose_launcher(options: RunOptions) -> str:
+    """The launcher asked for; else mpirun where it is installed, else local (or ssh
+    with -H)."""
+    if options.launcher:
+        return options.launcher
+    try:
+        mpirun.find_mpirun()
+        return "mpirun"
+    except LauncherError:
+        return "ssh" if options.hosts else "local"
+
+
 def run(options: RunOptions) -> int:
     for note in options.ignored:
         print("ringsync run: ignored: " + note, file=sys.stderr, flush=True)
+    options.launcher = choose_launcher(options)
+    if options.launcher != "mpirun":
+        return run_without_mpi(options)
     mpirun_path = mpirun.find_mpirun()
     status_dir = None if options.dry_run else tempfile.mkdtemp(prefix="ringsync-job-")
     try:
@@ -389,6 +417,25 @@ def run(options: RunOptions) -> int:
     finally:
         if status_dir:
             shutil.rmtree(status_dir, ignore_errors=True)
+
+
+def run_without_mpi(options: RunOptions) -> int:
+    """--launcher local|ssh: ranks started here or through ssh, meeting at our store."""
+    if options.launcher == "ssh" and not options.hosts:
+        raise LauncherError("--launcher ssh needs -H HOST:SLOTS,...")
+    if options.hostfile or options.mpi_args or options.host_discovery_script:
+        given = [flag for flag, value in (("--hostfile", options.hostfile),
+                                          ("--mpi-args", options.mpi_args),
+                                          ("--host-discovery-script",
+                                           options.host_discovery_script)) if value]
+        raise LauncherError("%s: only with --launcher mpirun" % ", ".join(given))
+    if options.dry_run or options.verbose:
+        print("ringsync run: %d rank(s), --launcher %s%s: %s" % (
+            options.np, options.launcher, " --elastic" if options.elastic else "",
+            shlex.join(options.program)), file=sys.stderr, flush=True)
+    if options.dry_run:
+        return 0
+    return direct.run_direct(options)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,7 +50,7 @@ def settings_report(environ: dict[str, str] | None = None) -> list[str]:
         name, text = setting_source(setting, environ)
         lines.append(describe_setting(f, setting, text if name else environ.get(setting.env),
                                       name))
-    lines += ["%-40s %s" % ("%s=%s" % (name, environ[name]),
+    lines += ["%-40s %s" % ("%s=%s" % (name, shown_value(name, environ[name])),
                             "environment: not a ringsync setting (exported as is)")
               for name in unknown_ringsync_variables(environ)]
     aliases = {alias.env for _, setting in setting_fields() for alias in setting.aliases}
@@ -58,6 +58,20 @@ def settings_report(environ: dict[str, str] | None = None) -> list[str]:
                             "environment: a Horovod variable ringsync does not read")
               for name in sorted(environ) if name.startswith("HOROVOD_") and name not in aliases]
     return lines
+
+
+SECRET_VARIABLES = ("RINGSYNC_SECRET",)
+
+
+def shown_value(name: str, value: str) -> str:
+    """A variable's value as a report shows it: never the job's secret."""
+    return "(set; never shown)" if name in SECRET_VARIABLES else value
+
+
+def world_description() -> str:
+    """Which world init() would join from this environment, and why."""
+    from ringsync.rendezvous_env import find_world
+    return find_world(os.environ).describe()
 
 
 def describe_setting(f: dataclasses.Field, setting, text: str | None,
@@ -224,6 +238,7 @@ def doctor() -> int:
         ("mpirun", mpirun_description),
         ("MPI library", mpi_library),
         ("ULFM fault tolerance", ulfm_support),
+        ("world", world_description),
         ("mpi4py", mpi4py_version),
     ]
     rows += [(name, functools.partial(framework_version, name)) for name in FRAMEWORKS]

@@ -263,6 +263,9 @@ class RunOptions:
     config_file: str | None = None
     controller: str | None = None
     tcp: bool = False
+    launcher: str | None = None
+    ssh_agent: str | None = None
+    store_address: str | None = None
     ignored: list[str] = dataclasses.field(default_factory=list)
 
 

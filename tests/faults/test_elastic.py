@@ -74,7 +74,12 @@ DIM = 5
 
 
 def original_rank() -> int:
-    """The rank this process started with ('spawned' for a replacement)."""
+    """The rank this process started with (-1 for a replacement): from MPI, or from
+    RANK where a launcher without MPI started it (tests/faults/test_store_elastic.py)."""
+    if os.environ.get("RINGSYNC_ELASTIC_JOIN") == "1":
+        return -1
+    if "RANK" in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
+        return int(os.environ["RANK"])
     from mpi4py import MPI
     if MPI.Comm.Get_parent() != MPI.COMM_NULL or os.environ.get("RINGSYNC_TEST_SPAWNED"):
         os.environ["RINGSYNC_TEST_SPAWNED"] = "1"
@@ -346,6 +351,23 @@ def _torch_reference(sizes):
     return [p.detach().reshape(-1).tolist() for p in model.parameters()]
 
 
+def _await_replacement():
+    """RINGSYNC_TEST_AWAIT_JOINER=1 (a store's replacements join at a commit, whenever
+    they are ready): after a loss leaves the job below its size, rank 0 holds the job
+    until a replacement waits to join, so that the next commit takes it in, however
+    long it takes to start."""
+    from ringsync._context import resolve
+    comm = resolve()
+    if os.environ.get("RINGSYNC_TEST_AWAIT_JOINER") != "1" or comm.rank() != 0 or \
+            comm.size() >= int(os.environ["WORLD_SIZE"]):
+        return
+    rendezvous = comm.rendezvous
+    deadline = time.monotonic() + 120
+    while rendezvous.joiners_waiting() == 0:
+        assert time.monotonic() < deadline, "no replacement came to join"
+        time.sleep(0.05)
+
+
 def torch_training(marker: str = ""):
     """TorchState + DistributedOptimizer: victim killed mid-allreduce (its gradient
     reductions already started), RINGSYNC_ELASTIC_RESPAWN decides about replacements."""
@@ -361,7 +383,8 @@ def torch_training(marker: str = ""):
                                    named_parameters=model.named_parameters())
     state = hvd.elastic.TorchState(model, opt, step=0, sizes=[])
     steps_run, recovered_at = [], []
-    state.register_reset_callbacks([lambda: recovered_at.append(time.time())])
+    state.register_reset_callbacks([lambda: recovered_at.append(time.time()),
+                                    _await_replacement])
 
     @hvd.elastic.run
     def train(state):

@@ -47,10 +47,23 @@ def test_missing_program_or_np_is_a_usage_error(fake_mpi, capsys):
         assert exit_info.value.code == 2
 
 
-def test_no_mpirun_is_a_clear_error(monkeypatch, capsys):
+def test_no_mpirun_is_a_clear_error_only_where_it_is_asked_for(monkeypatch, capsys):
     monkeypatch.setattr(mpirun_module, "find_mpi_tool", lambda name: None)
-    assert cli.main(["run", "-np", "2", "--dry-run", "a.py"]) == 1
+    assert cli.main(["run", "--launcher", "mpirun", "-np", "2", "--dry-run", "a.py"]) == 1
     assert "no mpirun found" in capsys.readouterr().err
+    # without --launcher, ranks start on this host (or through ssh with -H) instead
+    assert cli.main(["run", "-np", "2", "--dry-run", "a.py"]) == 0
+    assert "--launcher local" in capsys.readouterr().err
+    assert cli.main(["run", "-np", "2", "-H", "a:1,b:1", "--dry-run", "a.py"]) == 0
+    assert "--launcher ssh" in capsys.readouterr().err
+
+
+def test_options_only_mpirun_has_are_refused_without_it(capsys):
+    assert cli.main(["run", "--launcher", "local", "-np", "2", "--mpi-args=-x A",
+                     "a.py"]) == 1
+    assert "--mpi-args: only with --launcher mpirun" in capsys.readouterr().err
+    assert cli.main(["run", "--launcher", "ssh", "-np", "2", "a.py"]) == 1
+    assert "--launcher ssh needs -H" in capsys.readouterr().err
 
 
 def test_verbose_prints_command_and_settings(fake_mpi, capsys, monkeypatch):
