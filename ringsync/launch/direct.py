@@ -55,6 +55,8 @@ class Rank:
     replacement: bool = False
     status: int | None = None
     ended_by_launcher: bool = False
+    ended_ns: int = 0  # when the launcher saw it end
+    cause: str | None = None  # what it recorded when it failed
 
 
 def slots_of(hosts: str | None, np: int) -> list[str]:
@@ -183,7 +185,6 @@ class DirectJob:
     def run(self) -> int:
         if self.options.output_filename:
             self.output = RankFiles(self.options.output_filename, self.options.np)
-        store_url = self.serve_store()
         pending: list[int] = []
 
         def on_signal(signum, _frame):
@@ -191,6 +192,7 @@ class DirectJob:
 
         previous = {sig: signal.signal(sig, on_signal) for sig in FORWARDED}
         try:
+            store_url = self.serve_store()
             self.ranks = [self.start_rank(r, r, store_url) for r in range(self.options.np)]
             self.supervise(pending, store_url)
         finally:
@@ -201,7 +203,8 @@ class DirectJob:
                 pump.join(timeout=5)
             if self.output is not None:
                 self.output.close()
-            self.server.close()
+            if self.server is not None:
+                self.server.close()
             _remove_tree(self.workdir)
         return self.exit_status()
 
@@ -214,6 +217,7 @@ class DirectJob:
             for rank in self.ranks:
                 if rank.status is None and rank.proc.poll() is not None:
                     rank.status = status_of(rank.proc.returncode)
+                    rank.ended_ns = time.time_ns()
                     if rank.status != 0 and not rank.ended_by_launcher:
                         self.after_failure(rank, store_url)
             time.sleep(POLL_S)
@@ -258,6 +262,17 @@ class DirectJob:
 
     # ---- the outcome ----
 
+    def in_failure_order(self, failed: list[Rank]) -> list[Rank]:
+        """The first failure first (often the cause of the others), by the time each rank
+        recorded it (else when the launcher saw it end), with the cause it recorded."""
+        records = _failure_records(self.status_dir)
+        for rank in failed:
+            record = records.get(rank.proc.pid)
+            if record:
+                rank.ended_ns, rank.cause = record.get("time_ns") or rank.ended_ns, \
+                    record.get("cause")
+        return sorted(failed, key=lambda r: r.ended_ns)
+
     def exit_status(self) -> int:
         failed = [r for r in self.ranks if r.status != 0 and not r.ended_by_launcher]
         if not failed:
@@ -269,12 +284,19 @@ class DirectJob:
             if message:
                 print(message, file=sys.stderr, flush=True)
             return status
+        failed = self.in_failure_order(failed)
         ended = [r.label for r in self.ranks if r.ended_by_launcher]
         print("ringsync run: the job failed: %s%s" % (
             "; ".join(describe_end(r) for r in failed),
             "; the launcher ended rank(s) %s" % ended if ended else ""),
             file=sys.stderr, flush=True)
         return failed[0].status
+
+
+def _failure_records(status_dir: str) -> dict:
+    """{pid: the "failed" record} the ranks left (ringsync.bootstrap.record_job_event)."""
+    return {r.get("pid"): r for r in process.read_job_records(status_dir)
+            if r.get("kind") == "failed"}
 
 
 def status_of(returncode: int) -> int:
@@ -290,7 +312,11 @@ def describe_end(rank: Rank) -> str:
                                                     signal.Signals(rank.status - 128).name)
         except ValueError:
             pass
-    return "%s (on %s) exited with status %d" % (name, rank.host, rank.status)
+    cause = rank.cause or ""
+    if len(cause) > process.CAUSE_SHOWN:
+        cause = cause[:process.CAUSE_SHOWN] + "..."
+    return "%s (on %s) exited with status %d%s" % (name, rank.host, rank.status,
+                                                   " (%s)" % cause if cause else "")
 
 
 def ssh_words(options: RunOptions, host: str) -> list[str]:

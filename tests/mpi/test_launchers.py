@@ -5,6 +5,7 @@ of the matrix through the module API, and a torch and a Keras training run that 
 match one process. (Pods in namespace hosts: tests/hosts/test_pods.py.)"""
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -135,3 +136,71 @@ def test_ray_actors_as_ranks(tmp_path):
     status, output = run_to_deadline(command, job_environment(), DEADLINE_S, cwd=ROOT)
     assert status == 0, f"exit status {status}:\n{output}"
     check_places(str(tmp_path), 2, output, parts=["collectives", "torch"])
+
+
+def test_a_shared_directory_is_enough_to_meet(tmp_path):
+    """RINGSYNC_RENDEZVOUS=file:///DIR: no server at all, only a directory both share."""
+    meeting = tmp_path / "meeting"
+    results = tmp_path / "results"
+    results.mkdir()
+    tasks = start_tasks(2, lambda r: {"RINGSYNC_RENDEZVOUS": f"file://{meeting}", "RANK": str(r),
+                                      "WORLD_SIZE": "2", "RINGSYNC_SECRET": SECRET},
+                        str(results), ["collectives"])
+    statuses, output = finish_tasks(tasks, 300)
+    assert statuses == [0, 0], output
+    check_places(str(results), 2, output, parts=["collectives"])
+    assert os.stat(meeting).st_mode & 0o077 == 0  # (made for the user alone)
+
+
+FAILING_RANK = """
+import numpy as np
+import ringsync as rs
+rs.init()
+if rs.rank() == 1:
+    print("rank 1 fails now", flush=True)
+    raise RuntimeError("a bug on rank 1")
+rs.allreduce(np.zeros(3) + rs.rank(), name="never")  # (rank 1 is gone: this fails)
+"""
+
+
+def test_local_launcher_names_the_failed_rank_first(tmp_path):
+    """A rank's bug ends the job: its status is the job's, and the launcher names it
+    first, with its cause, then the ranks its loss failed."""
+    command = [sys.executable, "-m", "ringsync.launch.cli", "run", "--launcher", "local",
+               "-np", "3", sys.executable, "-c", FAILING_RANK]
+    status, output = run_to_deadline(command, job_environment(), 120, cwd=ROOT)
+    assert status == 1, output
+    assert "[1]<stdout>: rank 1 fails now" in output, output
+    assert ("ringsync run: the job failed: rank 1 (on localhost) exited with status 1 "
+            "(RuntimeError: a bug on rank 1)") in output, output
+
+
+SIGNALLED_RANK = """
+import signal, sys, time
+got = []
+signal.signal(signal.SIGUSR1, lambda *a: got.append("usr1"))
+signal.signal(signal.SIGTERM, lambda *a: (print("rank got", got + ["term"], flush=True),
+                                          sys.exit(0)))
+print("ready", flush=True)
+while True:
+    time.sleep(0.01)
+"""
+
+
+def test_local_launcher_passes_signals_to_every_rank(tmp_path):
+    """SIGUSR1, then SIGTERM, to the launcher: every rank gets both, in order."""
+    command = [sys.executable, "-m", "ringsync.launch.cli", "run", "--launcher", "local",
+               "-np", "2", sys.executable, "-c", SIGNALLED_RANK]
+    job = subprocess.Popen(command, cwd=ROOT, env=job_environment(), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        ready = [job.stdout.readline() for _ in range(2)]
+        assert all("ready" in line for line in ready), ready
+        job.send_signal(signal.SIGUSR1)
+        job.send_signal(signal.SIGTERM)
+        output, _ = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    for rank in (0, 1):
+        assert f"[{rank}]<stdout>: rank got ['usr1', 'term']" in output, output

@@ -42,13 +42,9 @@ def test_slurm_task_meets_on_the_steps_first_node_at_a_port_from_the_job_id():
     port = SLURM_PORT_BASE + 123456 % SLURM_PORT_SPAN
     assert (world.kind, world.rank, world.size, world.store, world.serve) == \
         ("slurm", 5, 8, f"tcp://gpu07:{port}", False)
-    assert "SLURM_PROCID" in doctor_text(world)
+    assert "SLURM_PROCID" in world.describe()
     # sbatch's own shell (no step yet) is not a task: it stays a world of its own
     assert find_world({k: v for k, v in SLURM.items() if k != "SLURM_STEP_ID"}).kind != "slurm"
-
-
-def doctor_text(world):
-    return world.describe()
 
 
 @pytest.mark.parametrize("text,host", [("gpu[07-09,12],cpu3", "gpu07"), ("a,b", "a"),
