@@ -337,6 +337,22 @@ class Config:
              "ulfm` mpirun's own does not)")
 
     @classmethod
+    def some_from_env(cls, names, environ: Mapping[str, str] = os.environ) -> "Config":
+        """Only the settings `names` read from the environment, each unreadable one left
+        at its default: what is needed before the ring's first exchange, which reports a
+        bad value on every rank (a rank that failed alone before it would leave the
+        others waiting)."""
+        values = {}
+        for f, setting in setting_fields():
+            name, text = setting_source(setting, environ)
+            if f.name in names and name:
+                try:
+                    values[f.name] = parse_value(f, text, name)
+                except UsageError:
+                    pass
+        return replace(cls(), **values)
+
+    @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ, **overrides) -> "Config":
         """Settings from RINGSYNC_* variables (unset or empty: the default); overrides,
         when not None, win and are not checked."""

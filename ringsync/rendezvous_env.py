@@ -25,6 +25,8 @@ from .errors import UsageError
 ENV_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 SLURM_VARIABLES = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID")
 MPI_VARIABLES = bootstrap.RANK_VARIABLES + ("OMPI_PARENT_PORT",)
+# The settings read before the ring's first exchange (the others travel through it).
+WORLD_SETTINGS = ("rendezvous", "store_port", "start_timeout_seconds", "elastic")
 JOIN_ENV = "RINGSYNC_ELASTIC_JOIN"  # set by `ringsync run` in a replacement rank
 SLURM_PORT_BASE, SLURM_PORT_SPAN = 20000, 30000  # ports derived from SLURM_JOB_ID
 SECRET_ADVICE = ("set RINGSYNC_SECRET (at least 16 characters, the same on every rank: a "
@@ -64,7 +66,7 @@ class World:
 def find_world(environ: Mapping[str, str] = os.environ, rendezvous: Optional[str] = None
                ) -> World:
     """The world this process would join, and why (nothing is connected)."""
-    config = Config.from_env(environ)
+    config = Config.some_from_env(WORLD_SETTINGS, environ)
     choice = rendezvous or config.rendezvous
     if choice:
         return _named_world(choice, environ, config,
@@ -225,7 +227,7 @@ def open_rendezvous(world: World, environ: Mapping[str, str] = os.environ,
         return None
     if world.kind == "single":
         return ThreadGroup(1).rendezvous(0)
-    config = config or Config.from_env(environ)
+    config = config or Config.some_from_env(WORLD_SETTINGS, environ)
     seconds = config.start_timeout_seconds
     if world.torch_store:
         return StoreRendezvous(_torch_store(world.store, world.size, seconds), world.rank,

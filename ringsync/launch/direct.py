@@ -151,8 +151,10 @@ class DirectJob:
         command = shlex.join(["cd", os.getcwd()]) + " && exec " + shlex.join(rank_argv)
         return ssh_words(self.options, host) + [command], dict(os.environ)
 
-    def start_rank(self, label: int, rank: int | None, store_url: str) -> Rank:
-        host = self.places[rank if rank is not None else 0] if self.remote else "localhost"
+    def start_rank(self, label: int, rank: int | None, store_url: str,
+                   host: str | None = None) -> Rank:
+        """Rank `rank` (None: a replacement, on `host`, the lost rank's)."""
+        host = host or (self.places[rank] if self.remote else "localhost")
         argv, env = self.command_for(host, self.rank_environment(rank, store_url))
         proc = subprocess.Popen(argv, env=env, start_new_session=True,
                                 stdin=subprocess.PIPE if self.remote else subprocess.DEVNULL,
@@ -234,7 +236,7 @@ class DirectJob:
         budget = options.reset_limit or 4 * options.np  # replacements that crash end here
         if options.respawn and alive < limit and self.replacements < budget:
             self.replacements += 1
-            self.ranks.append(self.start_rank(len(self.ranks), None, store_url))
+            self.ranks.append(self.start_rank(len(self.ranks), None, store_url, failed.host))
 
     def signal_all(self, signum: int) -> None:
         for rank in self.ranks:

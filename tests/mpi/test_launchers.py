@@ -204,3 +204,19 @@ def test_local_launcher_passes_signals_to_every_rank(tmp_path):
             os.killpg(job.pid, signal.SIGKILL)
     for rank in (0, 1):
         assert f"[{rank}]<stdout>: rank got ['usr1', 'term']" in output, output
+
+
+def test_a_bad_setting_on_one_task_fails_init_on_every_task(tmp_path):
+    """Without MPI too: the bad value travels through the store's first exchange, so no
+    task waits for the one that cannot read its settings."""
+    from ringsync.rendezvous_env import SLURM_PORT_BASE
+    job_id = free_port() - SLURM_PORT_BASE
+
+    def variables(rank):
+        bad = {"RINGSYNC_FUSION_THRESHOLD": "lots"} if rank == 1 else {}
+        return dict(slurm_variables(rank, 2, job_id), RINGSYNC_SECRET=SECRET, **bad)
+
+    statuses, output = finish_tasks(start_tasks(2, variables, str(tmp_path), []), 120)
+    assert all(s != 0 for s in statuses), output
+    assert output.count("rank 1: RINGSYNC_FUSION_THRESHOLD='lots' is not a whole number") >= 2, \
+        output

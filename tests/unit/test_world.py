@@ -90,3 +90,19 @@ def test_doctor_never_shows_the_secret(monkeypatch):
     monkeypatch.setenv("RINGSYNC_SECRET", SECRET)
     report = "\n".join(doctor.settings_report())
     assert SECRET not in report and "RINGSYNC_SECRET=(set; never shown)" in report
+
+
+def test_doctor_says_which_world_and_why(monkeypatch):
+    for name in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "RINGSYNC_RENDEZVOUS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in TORCHRUN.items():
+        monkeypatch.setenv(name, value)
+    text = doctor.world_description()
+    assert "rank 1 of 4" in text and "torchrun's store" in text and "set by torchrun" in text
+    monkeypatch.setenv("RINGSYNC_RENDEZVOUS", "gopher://x")
+    assert "none of 'mpi'" in doctor.guarded(doctor.world_description)
+
+
+def test_a_bad_unrelated_setting_does_not_hide_the_world():
+    """(init() reports it through the ring's first exchange, on every rank)"""
+    assert find_world(dict(TORCHRUN, RINGSYNC_FUSION_THRESHOLD="lots")).kind == "env"
