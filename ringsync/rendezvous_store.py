@@ -31,7 +31,7 @@ import time
 from typing import Any, List, Optional, Sequence
 
 from .bootstrap import JobKeys
-from .errors import CommunicationError, CommunicationTimeout, UsageError
+from .errors import CommunicationError, CommunicationTimeout, RingsyncError, UsageError
 from .rendezvous import FaultTolerance, Rendezvous
 
 DEFAULT_PREFIX = "ringsync"
@@ -209,7 +209,8 @@ class StoreRendezvous(Rendezvous, FaultTolerance):
                                            json.dumps(arrived).encode())
         survivors = _rank_list(decision, self.size, "the survivors' decision")
         if self.rank not in survivors:
-            raise CommunicationError(
+            # (not a CommunicationError: no recovery can take this rank back in; it ends)
+            raise RingsyncError(
                 f"ringsync: rank {self.rank} came to the recovery after the others had "
                 f"agreed on the survivors {survivors} without it")
         lost = sorted(set(range(self.size)) - set(survivors))
