@@ -36,6 +36,7 @@ import time
 from ringsync import bootstrap
 from ringsync.errors import LauncherError
 from ringsync.launch import mpirun, process
+from ringsync.launch.hosts import host_entries
 from ringsync.launch.mpirun import RunOptions
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
@@ -63,12 +64,7 @@ def slots_of(hosts: str | None, np: int) -> list[str]:
     """The host of each rank: -H's hosts slot by slot (``local``: this host)."""
     if not hosts:
         return ["localhost"] * np
-    places = []
-    for entry in hosts.split(","):
-        name, _, slots = entry.strip().rpartition(":") if ":" in entry else (entry, "", "1")
-        if not name or not slots.isdigit():
-            raise LauncherError("bad -H entry %r: expected host or host:slots" % entry)
-        places += [name] * int(slots)
+    places = [name for name, slots in host_entries(hosts) for _ in range(slots)]
     if len(places) < np:
         raise LauncherError("-H %r has %d slots for -np %d" % (hosts, len(places), np))
     return places[:np]

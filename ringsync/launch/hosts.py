@@ -35,9 +35,10 @@ def local_slots() -> int:
     return max(1, len(cores))
 
 
-def host_list_slots(hosts: str) -> int:
-    """Slots in a ``-H host[:slots],...`` list; a host without ``:slots`` counts 1, as in Open MPI."""
-    total = 0
+def host_entries(hosts: str) -> list[tuple[str, int]]:
+    """(host, slots) of each entry of a ``-H host[:slots],...`` list; a host without
+    ``:slots`` has 1, as in Open MPI."""
+    entries = []
     for entry in hosts.split(","):
         entry = entry.strip()
         if not entry:
@@ -45,7 +46,13 @@ def host_list_slots(hosts: str) -> int:
         name, _, slots = entry.rpartition(":") if ":" in entry else (entry, "", "1")
         if not name or not slots.isdigit():
             raise LauncherError("bad -H entry %r: expected host or host:slots" % entry)
-        total += int(slots)
+        entries.append((name, int(slots)))
+    return entries
+
+
+def host_list_slots(hosts: str) -> int:
+    """Slots in a ``-H host[:slots],...`` list."""
+    total = sum(slots for _, slots in host_entries(hosts))
     if total == 0:
         raise LauncherError("-H %r names no hosts" % hosts)
     return total
