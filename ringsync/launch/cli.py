@@ -4,7 +4,9 @@
 ``ringsync run -np N [options] [--] program [args...]``
     builds the command line of the installed ``mpirun`` (ringsync.launch.mpirun) and
     runs it (ringsync.launch.process), returning mpirun's exit status, or 1 where mpirun
-    reported success but the ranks' records say the job failed. horovodrun's options
+    reported success but the ranks' records say the job failed; with ``--launcher
+    local|ssh`` (the default where there is no mpirun) it starts the ranks itself
+    (ringsync.launch.direct). horovodrun's options
     are taken: those that set a ringsync setting become ``-x RINGSYNC_X=value``
     (mpirun.HOROVODRUN_SETTINGS), the others act on the command (ssh port and identity,
     output files, timestamps, binding, ``--check-build``, ``--config-file``: horovodrun's
@@ -117,7 +119,8 @@ RUN_OPTIONS = [
     (("-hostfile", "--hostfile"),
      dict(dest="hostfile", metavar="FILE", help="an mpirun hostfile (HOST slots=N lines)")),
     (("--elastic",),
-     dict(action="store_true", help="survive rank failures (Open MPI ULFM: --with-ft ulfm)")),
+     dict(action="store_true", help="survive rank failures (mpirun: Open MPI's ULFM, "
+                                    "--with-ft ulfm; local and ssh: through the store)")),
     (("--min-np", "--min-num-proc"),
      dict(dest="min_np", type=int, metavar="K",
           help="elastic: end the job when fewer than K ranks survive (default 1)")),
@@ -316,8 +319,9 @@ def make_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     commands = parser.add_subparsers(dest="command", metavar="{run,doctor}")
     run_parser = commands.add_parser(
         "run",
-        help="start a program on N ranks under mpirun",
-        usage="ringsync run -np N [-H HOST:SLOTS,...] [--hostfile FILE] [--elastic "
+        help="start a program on N ranks (mpirun, or this host, or ssh)",
+        usage="ringsync run -np N [--launcher mpirun|local|ssh] [-H HOST:SLOTS,...] "
+              "[--hostfile FILE] [--elastic "
               "[--min-np K] [--max-np M] [--respawn] [--reset-limit R] "
               "[--host-discovery-script SCRIPT]] [--mpi-args=\"ARGS\"] "
               "[horovodrun's options: see --help] [--dry-run] "
