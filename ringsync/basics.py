@@ -58,32 +58,34 @@ def init(comm=None, process_sets=None, rendezvous=None):
     if default() is not None:
         sets.attach_registered(process_sets)
         return
-    own, meeting = False, None
     if isinstance(comm, (list, tuple, range)):
         raise UsageError("ringsync.init: comm as a list of ranks is not supported; pass an "
                          "mpi4py communicator, or use a ProcessSet for a subset of ranks")
     if comm is not None and rendezvous is not None:
         raise UsageError("ringsync.init: give comm or rendezvous, not both")
-    if isinstance(rendezvous, Rendezvous):
-        meeting = rendezvous
-    elif comm is None:
-        world = rendezvous_env.find_world(os.environ, rendezvous)
-        if world.kind == "mpi":
-            bootstrap.ensure_mpi_initialized()
-            comm = bootstrap.replacement_world()
-            own = comm is not None
-        else:
-            try:
-                meeting, own = rendezvous_env.open_rendezvous(world), world.join
-            except SystemExit as finished:  # (a replacement that came too late)
-                print(finished, file=sys.stderr, flush=True)
-                raise
+    own, meeting = False, rendezvous if isinstance(rendezvous, Rendezvous) else None
+    if comm is None and meeting is None:
+        comm, own, meeting = _meeting_point(rendezvous_env.find_world(os.environ, rendezvous))
     bootstrap.record_start()
     start(comm, own, rendezvous=meeting)
     try:
         sets.attach(JOB.default, process_sets)
     except BaseException:
         shutdown()  # (every rank got the same refusal: the sets were agreed on)
+        raise
+
+
+def _meeting_point(world):
+    """(MPI communicator, whether it is ours alone, rendezvous) for the world found: MPI's
+    (a replacement rank's is the one it shares with the survivors), or a store's."""
+    if world.kind == "mpi":
+        bootstrap.ensure_mpi_initialized()
+        comm = bootstrap.replacement_world()
+        return comm, comm is not None, None
+    try:
+        return None, world.join, rendezvous_env.open_rendezvous(world)
+    except SystemExit as finished:  # (a replacement that came after the job's end)
+        print(finished, file=sys.stderr, flush=True)
         raise
 
 
