@@ -218,7 +218,19 @@ class DirectJob:
                     rank.ended_ns = time.time_ns()
                     if rank.status != 0 and not rank.ended_by_launcher:
                         self.after_failure(rank, store_url)
+            if self.only_waiting_replacements_left():
+                self.end_all(signal.SIGTERM)  # (no member is left to take them in)
             time.sleep(POLL_S)
+
+    def only_waiting_replacements_left(self) -> bool:
+        """Whether every process still running is a replacement not yet taken into the
+        job (it records "started" once admitted): they would wait for ever."""
+        running = [r for r in self.ranks if r.status is None]
+        if not running or not all(r.replacement for r in running):
+            return False
+        started = {r.get("pid") for r in process.read_job_records(self.status_dir)
+                   if r.get("kind") == "started"}
+        return not any(r.proc.pid in started for r in running)
 
     def after_failure(self, failed: Rank, store_url: str) -> None:
         options = self.options

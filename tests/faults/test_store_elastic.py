@@ -88,3 +88,15 @@ class _Result:
 
     def report(self):
         return self.output
+
+
+def test_a_job_that_ends_below_min_np_ends_its_waiting_replacement(tmp_path):
+    """Rank 1 of 2 is killed, the launcher starts a replacement, and rank 0 ends the job
+    (fewer than --min-np survive): the replacement, which nobody is left to take in, is
+    ended by the launcher, and the job's status is the failure's."""
+    status, output, records = elastic_job(tmp_path, "numpy_training", 2, "--respawn",
+                                          "--min-np", "2", RINGSYNC_TEST_VICTIM=1,
+                                          RINGSYNC_TEST_KILL_STEP=2)
+    assert status != 0, output
+    assert "only 1 rank(s) left after losing rank(s) [1]" in output, output
+    assert not records, records
