@@ -20,14 +20,17 @@ INCLUDE = os.path.join(HERE, "include")
 #   topology, comm                        where the ranks sit; the communicator's life
 #   adasum, ring, gather_log, hierarchical, algorithms
 #                                         the collective algorithms
-#   timeline, negotiate, lane, execute    what the engine thread uses (and the lane, on
-#                                         calling threads)
-#   engine, submit                        the engine thread; the calling threads' side
+#   timeline, records, negotiate, lane, execute
+#                                         what the engine thread uses (and the lane, on
+#                                         calling threads); records: the flight recorder
+#                                         and straggler events
+#   engine, submit, observe               the engine thread; the calling threads' side;
+#                                         their view of its records and hang reports
 #   xla_ffi                               the blocking allreduce as an XLA custom call
 SOURCES = ["util.c", "reduce.c", "status.c", "checked.c", "auth.c", "progress.c",
            "tcp_setup.c", "transport_tcp.c", "transport_shm.c", "topology.c", "comm.c",
            "adasum.c", "ring.c", "gather_log.c", "hierarchical.c", "algorithms.c",
-           "timeline.c", "negotiate.c", "lane.c", "execute.c", "engine.c", "submit.c",
+           "timeline.c", "records.c", "negotiate.c", "lane.c", "execute.c", "engine.c", "submit.c", "observe.c",
            "xla_ffi.c"]
 
 

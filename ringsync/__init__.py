@@ -22,7 +22,8 @@ Adasum = ReduceOp.ADASUM
 try:
     # (basics first: under MPI fault tolerance it must act before mpi4py.MPI is imported)
     from .basics import (cross_rank, cross_size, init, is_initialized, local_rank,
-                         local_size, rank, shutdown, size, start_timeline, stop_timeline)
+                         local_size, rank, shutdown, size, start_timeline, stop_timeline,
+                         straggler_report, flight_records, request_hang_report)
     from ._core import Communicator, Handle
     from ._context import resolve as _comm  # (the communicator a call runs on; for tests)
     from .collectives import (allgather, allgather_async, allreduce, allreduce_,
@@ -48,7 +49,8 @@ __all__ = [
     "broadcast_async", "broadcast_async_", "reducescatter", "reducescatter_async", "alltoall",
     "alltoall_async", "send", "send_async", "recv", "recv_async", "barrier", "join", "poll",
     "broadcast_object", "allgather_object",
-    "synchronize", "start_timeline", "stop_timeline", "ProcessSet", "global_process_set",
+    "synchronize", "start_timeline", "stop_timeline", "straggler_report", "flight_records",
+    "request_hang_report", "ProcessSet", "global_process_set",
     "add_process_set", "remove_process_set",
     "Handle", "Sum", "Average", "Min", "Max", "Adasum",
     "Product", "ReduceOp", "Communicator", "Config", "RingsyncError", "UsageError",

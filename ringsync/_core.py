@@ -16,6 +16,7 @@ from typing import Optional
 
 import numpy as np
 
+from . import _observe
 from ._arrays import as_output, describe
 from ._grouped import GroupedCollectives
 from ._native import ffi, lib
@@ -72,7 +73,7 @@ def _topology(field: str):
     return get
 
 
-class Communicator(GroupedCollectives, PointToPoint):
+class Communicator(GroupedCollectives, PointToPoint, _observe.JobInsight):
     """A ring of ranks, with its engine, built over a rendezvous: an mpi4py
     intracommunicator (MPI.COMM_WORLD by default) or any ringsync.rendezvous.Rendezvous
     (ranks that are threads of one process, for tests). Several can exist in one process.
@@ -98,6 +99,7 @@ class Communicator(GroupedCollectives, PointToPoint):
         self.config, self.topology = self._ring.config, self._ring.topology
         self.host_names = self._ring.host_names
         self._submitter = Submitter(self._ring)
+        self._submitter.on_failure = self._leave_flight_records
         self._name = _Names(self._rank)
         self.world_ranks = list(world_ranks or range(self._size))
         self._ring_rank = {world: mine for mine, world in enumerate(self.world_ranks)}
@@ -146,6 +148,7 @@ class Communicator(GroupedCollectives, PointToPoint):
     def abort(self, reason: str = "aborted"):
         """Fail every pending collective here and on every peer and close the ring at once;
         the rendezvous stays open for elastic recovery (rendezvous.FaultTolerance)."""
+        self._leave_flight_records_once(f"aborted: {reason}")
         self._ring.abort(reason)
         self._submitter.orphans.clear()
         self._timeline.stop(gather=False)
@@ -154,13 +157,6 @@ class Communicator(GroupedCollectives, PointToPoint):
     def transport(self) -> str:
         """"shm" when same-host peers are reached through shared memory, else "tcp"."""
         return self._ring.transport
-
-    def traffic(self) -> dict:
-        """A debug counter: the bytes this rank has sent to each rank during collectives,
-        by transport — {"tcp": [to rank 0, 1, ...], "shm": [...]} (shared-memory rings with
-        same-host peers). Setup and wake-ups are not counted, nor the same-host lane and
-        staged allreduce, which work in shared areas (only with every rank on one host)."""
-        return self._ring.traffic()
 
     @property
     def uses_lane(self) -> bool:

@@ -10,7 +10,7 @@ import dataclasses
 import os
 import socket
 
-from . import addresses, bootstrap
+from . import _observe, addresses, bootstrap
 from ._native import ffi, lib
 from .config import Config, hierarchical_mode
 from .errors import CommunicationError, UsageError
@@ -48,6 +48,8 @@ class NativeRing:
         self.c = ffi.NULL
         self.engine = ffi.NULL
         self.lane = False
+        self.observer = None
+        self._job_id = 0
         try:
             self._connect()
             self._start_engine()
@@ -122,6 +124,7 @@ class NativeRing:
     def _connect_ring(self, infos):
         addresses = bootstrap.connect_addresses(infos)
         keys = self.rendezvous.job_keys()
+        self._job_id = keys.job_id
         keep = [ffi.new("char[]", s.encode()) for s in addresses + self.host_names]
         hosts, names = keep[: self.size], keep[self.size:]
         status = lib.rs_comm_connect(self.c, ffi.new("const char *[]", hosts),
@@ -142,6 +145,8 @@ class NativeRing:
             "lane_spin_seconds": self._lane_spin_seconds(),
             "lane_max_bytes": self.config.lane_bytes,
             "staged_min_bytes": self.config.staged_bytes,
+            "flight_records": self.config.flight_recorder_size,
+            "report_on_stall": 1,
         })
         eptr = ffi.new("rs_engine_t **")
         status = lib.rs_engine_create(self.c, cfg, eptr)
@@ -150,6 +155,7 @@ class NativeRing:
                 f"ringsync.init: {self._error_text(status, 'starting the engine')[1]}")
         self.engine = eptr[0]
         self.lane = bool(lib.rs_engine_has_lane(self.engine))
+        self.observer = _observe.Observer(self, self._job_id)
 
     # ---- errors while building ----
 
@@ -209,6 +215,9 @@ class NativeRing:
     def destroy(self):
         """Free the engine (joining its thread: no buffer is in use after) and the ring."""
         self.lane = False
+        if self.observer is not None:
+            self.observer.stop()  # (its thread reads the engine)
+            self.observer = None
         if self.engine != ffi.NULL:
             lib.rs_xla_forget(self.engine)  # (compiled JAX programs may name it: xla_ffi.c)
             lib.rs_engine_destroy(self.engine)

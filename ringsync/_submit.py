@@ -187,6 +187,9 @@ class Submitter:
         # (by the garbage collector, in any thread) while a sweep runs, and its append and
         # popleft are atomic.
         self.orphans = collections.deque()
+        # Called with each error a collective ends in (not a local refusal), before it is
+        # raised: the Communicator leaves its flight records there.
+        self.on_failure = None
 
     # ---- the two entry points ----
 
@@ -401,11 +404,21 @@ class Submitter:
                 if not detail:
                     detail = ffi.string(lib.rs_engine_last_error(self.ring.engine)).decode()
                 # A usage error found after submission is one the ranks found together.
-                raise error_class(status, MismatchError)(
+                raise self._noted(error_class(status, MismatchError)(
                     f"ringsync.{handle._what}{describe(name)} failed on rank "
-                    f"{self.ring.rank}: {detail}")
+                    f"{self.ring.rank}: {detail}"))
 
     def raise_engine_error(self, status, what, name=None, usage_kind=UsageError):
         detail = ffi.string(lib.rs_engine_last_error(self.ring.engine)).decode()
-        raise error_class(status, usage_kind)(
-            f"ringsync.{what}{describe(name)} failed on rank {self.ring.rank}: {detail}")
+        raise self._noted(error_class(status, usage_kind)(
+            f"ringsync.{what}{describe(name)} failed on rank {self.ring.rank}: {detail}"))
+
+    def _noted(self, error: Exception) -> Exception:
+        """error, once on_failure has seen it (a refusal of this rank's own arguments,
+        a plain UsageError, tells nothing about the job)."""
+        if self.on_failure is not None and type(error) is not UsageError:
+            try:
+                self.on_failure(error)
+            except Exception:  # (a full disk must not hide the error itself)
+                pass
+        return error

@@ -11,7 +11,7 @@ import os
 import sys
 import traceback
 
-from . import bootstrap, rendezvous_env
+from . import _observe, bootstrap, rendezvous_env
 from . import process_sets as sets  # (init's argument has the module's name, as Horovod's)
 from ._context import JOB, default, resolve
 from ._core import Communicator
@@ -105,6 +105,7 @@ def start(comm, own_comm: bool, survivor: bool = False, rendezvous=None) -> Comm
     _limit_mpi_waits(JOB.default)
     if JOB.default.size() > 1:
         _install_die_hard_excepthook()
+        _observe.install_report_signal(request_hang_report)
     atexit.unregister(shutdown)  # once, however often the ring is rebuilt
     atexit.register(shutdown)
     return JOB.default
@@ -191,6 +192,26 @@ def cross_rank() -> int:
 
 def cross_size() -> int:
     return resolve().cross_size()
+
+
+def straggler_report(last=200, process_set=None):
+    """Per rank, how long it kept the others waiting per negotiation round over the last
+    `last` rounds that ran collectives (mean_ms, p50_ms, p95_ms, rounds_last, rounds, host):
+    see Communicator.straggler_report."""
+    return resolve(process_set).straggler_report(last)
+
+
+def flight_records(process_set=None):
+    """This rank's last collectives, oldest first: see Communicator.flight_records."""
+    return resolve(process_set).flight_records()
+
+
+def request_hang_report():
+    """Ask every rank of the job for its part of a hang report, as SIGUSR1 does (parts go
+    to RINGSYNC_HANG_REPORT_DIR; rank 0 or `ringsync run` prints the merged table)."""
+    comm = default()
+    if comm is not None:
+        comm.request_hang_report()
 
 
 def start_timeline(file_path, mark_cycles=False):

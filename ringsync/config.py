@@ -188,6 +188,31 @@ class Config:
         aliases=(Alias("HOROVOD_TIMELINE_MARK_CYCLES", _horovod_flag, "> 0: 1"),),
         help="1 marks the start of each of the engine's negotiation rounds (`CYCLE_START`) "
              "in the timeline")
+    flight_recorder_size: int = _setting(
+        512, "RINGSYNC_FLIGHT_RECORDER_SIZE", unit="collectives", maximum=1 << 20,
+        zero="none kept",
+        help="the flight recorder: each rank keeps its last collectives (name, kind, dtype, "
+             "shape, times, outcome) in memory; see [When a job hangs or crawls]"
+             "(#when-a-job-hangs-or-crawls)")
+    flight_recorder_dir: Optional[str] = _setting(
+        None, "RINGSYNC_FLIGHT_RECORDER_DIR", unit="directory", default_text="(not written)",
+        help="where each rank writes its flight records (`rank-R.json`) when a collective "
+             "fails, times out or is aborted, or the rank is terminated; `ringsync trace DIR` "
+             "says where the ranks diverged. `ringsync run` sets one for its job")
+    hang_report_dir: Optional[str] = _setting(
+        None, "RINGSYNC_HANG_REPORT_DIR", unit="directory",
+        default_text="(`ringsync-hang-<job>` in the temporary directory)",
+        help="where each rank writes its part of a hang report (on a stall, or `SIGUSR1`); "
+             "`ringsync report DIR` merges them (`ringsync run` prints the merged table "
+             "itself)")
+    straggler_report_seconds: float = _setting(
+        0.0, "RINGSYNC_STRAGGLER_REPORT_SECONDS", unit="seconds", zero="never",
+        help="rank 0 looks this often at who kept the others waiting, and logs a line when "
+             "one rank did by more than `RINGSYNC_STRAGGLER_THRESHOLD_MS` per round")
+    straggler_threshold_ms: float = _setting(
+        5.0, "RINGSYNC_STRAGGLER_THRESHOLD_MS", unit="ms",
+        help="the wait per negotiation round (mean over the rounds since the last look) "
+             "above which a straggler is logged")
     transport: str = _setting(
         "auto", "RINGSYNC_TRANSPORT", choices=("auto", "tcp", "shm"), agreed=True,
         help="`auto`: shared memory with same-host peers (TCP, with a warning, where "

@@ -222,6 +222,8 @@ typedef struct {
     int64_t lane_max_bytes;         /* same-host lane: largest allreduce (0: no lane) */
     int64_t staged_min_bytes;       /* every rank on this host: allreduces at least this large
                                        reduce through shared memory, not the ring (0: never) */
+    int flight_records;             /* collectives the flight recorder keeps (0: none) */
+    int report_on_stall;            /* rank 0: a stall report asks every rank for a hang report */
 } rs_engine_config_t;
 
 rs_status_t rs_engine_create(rs_comm_t *comm, const rs_engine_config_t *config,
@@ -279,6 +281,70 @@ const char *rs_engine_last_error(rs_engine_t *engine);
 rs_status_t rs_engine_start_timeline(rs_engine_t *engine, const char *path, int mark_cycles);
 rs_status_t rs_engine_stop_timeline(rs_engine_t *engine);
 void rs_free(void *p);
+
+/* ---- seeing inside a job: the flight recorder, straggler events, hang reports ---- */
+
+/* One collective this rank issued (the flight recorder keeps the last
+ * rs_engine_config_t.flight_records of them). status: an rs_status_t, or RUNNING. The
+ * name is cut to 159 bytes. Times are rs_now()'s (monotonic seconds). route: ENGINE or
+ * LANE (a blocking call on the same-host lane). */
+enum { RS_FLIGHT_RUNNING = -1, RS_FLIGHT_HANDED_OVER = -2 };
+enum { RS_ROUTE_ENGINE = 0, RS_ROUTE_LANE = 1 };
+typedef struct {
+    uint64_t seq;
+    char name[160];
+    int kind;
+    int dtype;
+    int op;
+    int root;
+    int ndim;
+    int route;
+    int status;
+    int64_t shape[8];
+    double start;
+    double end;
+} rs_flight_record_t;
+/* Copy the flight records, oldest first (at most max); returns how many. Any thread. */
+int rs_engine_flight_records(rs_engine_t *engine, rs_flight_record_t *out, int max);
+/* The monotonic clock the records use (seconds). */
+double rs_monotonic_seconds(void);
+
+/* In a negotiation round that made collectives ready, the ranks whose submissions came
+ * last kept the others waiting for wait_seconds: the time between the round in which the
+ * others' had all come and the round in which theirs came, on this rank's clock (rounds
+ * are collective, so every rank measures about the same without synchronized clocks).
+ * round counts those rounds from 1. */
+typedef struct {
+    uint64_t round;
+    int rank;
+    double wait_seconds;
+} rs_wait_event_t;
+/* The latest events, oldest first (at most max); *rounds: rounds counted so far. */
+int rs_engine_wait_events(rs_engine_t *engine, rs_wait_event_t *out, int max,
+                          uint64_t *rounds);
+
+/* Hang reports. A request (any rank: a signal, the user) rides on the next negotiation
+ * round, which the requesting engine starts at once; every rank's engine then takes a
+ * snapshot of the tensors negotiation holds. reason: 1 a stall (rank 0 asks by itself
+ * where rs_engine_config_t.report_on_stall is set), 2 a request. */
+enum { RS_REPORT_STALL = 1, RS_REPORT_REQUEST = 2 };
+void rs_engine_request_report(rs_engine_t *engine, int reason);
+/* Wait until a report newer than `after` has been taken (up to timeout_seconds, or until
+ * rs_engine_interrupt_waits); returns its id (0 otherwise) and its reason. */
+uint64_t rs_engine_wait_report(rs_engine_t *engine, uint64_t after, double timeout_seconds,
+                               int *reason);
+void rs_engine_interrupt_waits(rs_engine_t *engine);
+/* One tensor of the latest snapshot: submitted[rank] (size entries per tensor, in the
+ * caller's array) says who has submitted it; mine: this rank has. */
+typedef struct {
+    char name[4001];
+    int kind;
+    int mine;
+    double waited_seconds;
+} rs_pending_info_t;
+/* The latest snapshot's tensors (at most max; *total: how many it holds). */
+int rs_engine_report_pending(rs_engine_t *engine, rs_pending_info_t *out,
+                             unsigned char *submitted, int max, int *total);
 
 /* ---- XLA FFI (ringsync.jax): the blocking allreduce as a custom call of a compiled JAX
  * program. The handler finds its engine in a process-wide table of slots (one per process

@@ -18,6 +18,7 @@
 #include "transport.h"
 
 #define FUSION_IDLE_GAP_SECONDS 100e-6 /* stop gathering once submissions pause this long */
+#define STRAGGLER_EVENTS 8192          /* straggler events kept (a few per round at most) */
 
 void rs_work_free(rs_work_t *w) {
     free(w->name);
@@ -34,6 +35,8 @@ void rs_work_free(rs_work_t *w) {
 static void finish_locked(rs_engine_t *e, rs_work_t *w) {
     if (!w->done && w->meta.kind == RS_KIND_SEND && !w->synthetic)
         e->p2p_in_flight--;
+    if (!w->done)
+        rs_flight_end(&e->flight, w->flight_seq, w->status, rs_now());
     __atomic_store_n(&w->done, 1, __ATOMIC_RELEASE); /* a joined rank's lane reads it */
     rs_map_remove(&e->in_flight, w->name);
 }
@@ -138,6 +141,15 @@ void rs_engine_wake(rs_engine_t *e) {
     if (write(e->wake[1], &c, 1) < 0 && errno != EAGAIN) {
         /* a full pipe already wakes the thread */
     }
+}
+
+void rs_engine_request_report(rs_engine_t *e, int reason) {
+    pthread_mutex_lock(&e->mu);
+    uint64_t known = e->report_wanted > e->report_id ? e->report_wanted : e->report_id;
+    e->report_wanted = known + 1;
+    e->report_wanted_reason = reason == RS_REPORT_STALL ? RS_REPORT_STALL : RS_REPORT_REQUEST;
+    pthread_mutex_unlock(&e->mu);
+    rs_engine_wake(e);
 }
 
 /* Move the submission queue into the batch (under mu). */
@@ -269,11 +281,97 @@ static rs_status_t take_part(rs_engine_t *e, rs_pending_t **ready, int nready) {
     return RS_OK;
 }
 
+/* ---- seeing inside the job ---- */
+
+/* Which ranks the others waited for in this round's collectives, and how long: a
+ * straggler event per rank (see rs_wait_event_t), and a counter on the timeline. */
+static void note_waits(rs_engine_t *e, rs_pending_t **ready, int nready) {
+    int size = e->comm->size, collectives = 0;
+    for (int r = 0; r < size; r++)
+        e->round_waits[r] = 0;
+    for (int i = 0; i < nready; i++)
+        collectives += rs_pending_waits(ready[i], size, e->round_waits);
+    if (!collectives)
+        return;
+    rs_stragglers_round(&e->stragglers, e->round_waits, size);
+    for (int r = 0; e->timeline.file && r < size; r++)
+        if (e->round_waits[r] > 0)
+            rs_timeline_counter(&e->timeline, "others waited for rank (ms)", r,
+                                e->round_waits[r] * 1e3, rs_now());
+}
+
+/* Under mu: the blocking call this rank waits in on the same-host lane (no negotiation
+ * holds it) as item `at` of the snapshot; returns 1 if there is one. */
+static int add_lane_call(rs_engine_t *e, int at, double now) {
+    rs_pending_info_t *info = &e->report_items[at];
+    unsigned char *posted = e->report_submitted + (size_t)at * (size_t)e->comm->size;
+    double since;
+    if (!rs_lane_waiting(e->lane, info->name, sizeof info->name, &info->kind, &since, posted))
+        return 0;
+    info->mine = 1;
+    info->waited_seconds = now - since;
+    return 1;
+}
+
+/* Under mu: the tensors negotiation holds now, for the hang report just agreed on. */
+static void take_report_snapshot_locked(rs_engine_t *e) {
+    rs_negotiator_t *n = &e->negotiator;
+    int size = e->comm->size, count = 0;
+    double now = rs_now();
+    free(e->report_items);
+    free(e->report_submitted);
+    e->report_items = calloc(n->pending.count + 1, sizeof *e->report_items);
+    e->report_submitted = calloc((n->pending.count + 1) * (size_t)size, 1);
+    for (size_t i = 0; e->report_items && e->report_submitted && i < n->pending.capacity; i++) {
+        const rs_pending_t *p = n->pending.keys[i] ? n->pending.values[i] : NULL;
+        if (!p || (p->mine && p->mine->refusal))
+            continue;
+        rs_pending_info_t *info = &e->report_items[count];
+        snprintf(info->name, sizeof info->name, "%s", p->name);
+        info->kind = p->metas[p->last_rank].kind;
+        info->mine = p->mine != NULL && !p->mine->synthetic;
+        info->waited_seconds = now - p->first_seen;
+        memcpy(e->report_submitted + (size_t)count * (size_t)size, p->submitted, (size_t)size);
+        count++;
+    }
+    if (e->report_items && e->report_submitted && e->lane)
+        count += add_lane_call(e, count, now);
+    e->report_count = count;
+    e->report_id = n->report >> 8;
+    e->report_reason = (int)(n->report & 0xff);
+    pthread_cond_broadcast(&e->done_cv);
+}
+
+/* A hang report that the last round agreed on: take this rank's snapshot. */
+static void take_report_if_asked(rs_engine_t *e) {
+    if (!e->negotiator.report_new)
+        return;
+    e->negotiator.report_new = 0;
+    pthread_mutex_lock(&e->mu);
+    take_report_snapshot_locked(e);
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* A report asked for here that no round has carried yet (the negotiator's ask). */
+static int report_to_ask(rs_engine_t *e) {
+    pthread_mutex_lock(&e->mu);
+    uint64_t wanted = e->report_wanted;
+    int reason = e->report_wanted_reason;
+    pthread_mutex_unlock(&e->mu);
+    if (wanted <= e->negotiator.report >> 8)
+        return 0;
+    e->negotiator.report_ask = wanted << 8 | (uint64_t)reason;
+    return 1;
+}
+
 /* One negotiation round and the work it makes ready. */
 static rs_status_t run_round(rs_engine_t *e, rs_work_t **batch, int nbatch) {
     rs_pending_t **ready = NULL;
     int nready = 0;
+    report_to_ask(e);
     RS_CHECK(rs_negotiate(e->comm, &e->negotiator, batch, nbatch, &ready, &nready));
+    take_report_if_asked(e);
+    note_waits(e, ready, nready);
     rs_status_t st;
     RS_CHECK_GOTO(take_part(e, ready, nready), st, done);
     st = rs_execute(&e->executor, ready, nready);
@@ -292,8 +390,15 @@ done:
 static double check_deadlines(rs_engine_t *e) {
     rs_negotiator_t *n = &e->negotiator;
     double now = rs_now(), next = 0;
+    int stalls = 0;
     if (e->comm->rank == 0 && e->config.stall_check_seconds > 0)
-        next = rs_negotiator_stalls(n, now, e->config.stall_check_seconds);
+        next = rs_negotiator_stalls(n, now, e->config.stall_check_seconds, &stalls);
+    uint64_t lane_stalls = e->lane ? rs_lane_stalls(e->lane) : 0;
+    if (lane_stalls != e->lane_stalls_seen)
+        stalls++;
+    e->lane_stalls_seen = lane_stalls;
+    if (stalls && e->config.report_on_stall)
+        rs_engine_request_report(e, RS_REPORT_STALL);
     rs_pending_t *oldest = NULL;
     for (size_t i = 0; i < n->pending.capacity; i++) {
         rs_pending_t *p = n->pending.keys[i] ? n->pending.values[i] : NULL;
@@ -457,7 +562,7 @@ static void *engine_main(void *arg) {
             drain_wake_pipe(e);
             continue;
         }
-        if (n == 0 && !peer_started) {
+        if (n == 0 && !peer_started && !report_to_ask(e)) {
             if (stopping)
                 break;
             peer_started = idle_wait(e, check_deadlines(e));
@@ -510,6 +615,11 @@ static void engine_free(rs_engine_t *e) {
     free(e->shut_down);
     free(e->p2p_received);
     rs_negotiator_free(&e->negotiator);
+    rs_flight_free(&e->flight);
+    rs_stragglers_free(&e->stragglers);
+    free(e->round_waits);
+    free(e->report_items);
+    free(e->report_submitted);
     rs_timeline_stop(&e->timeline);
     pthread_mutex_destroy(&e->timeline.mu);
     free(e->executor.fusion);
@@ -538,7 +648,10 @@ static int engine_init(rs_engine_t *e, rs_comm_t *comm, const rs_engine_config_t
     e->p2p_sent = calloc((size_t)comm->size, sizeof *e->p2p_sent);
     e->p2p_received = calloc((size_t)comm->size, sizeof *e->p2p_received);
     e->shut_down = calloc((size_t)comm->size, 1);
-    if (!e->p2p_sent || !e->p2p_received || !e->shut_down ||
+    e->round_waits = calloc((size_t)comm->size, sizeof *e->round_waits);
+    int records = rs_flight_init(&e->flight, config->flight_records) |
+                  rs_stragglers_init(&e->stragglers, STRAGGLER_EVENTS);
+    if (!e->p2p_sent || !e->p2p_received || !e->shut_down || !e->round_waits || records ||
         rs_negotiator_init(&e->negotiator, comm, config->cache_capacity) != RS_OK ||
         pipe2(e->wake, O_NONBLOCK | O_CLOEXEC) != 0)
         return -1;

@@ -14,6 +14,7 @@
 #include "execute.h"
 #include "lane.h"
 #include "negotiate.h"
+#include "records.h"
 #include "status.h"
 #include "timeline.h"
 #include "util.h"
@@ -76,6 +77,22 @@ struct rs_engine {
     rs_timeline_t timeline;
 
     rs_lane_t *lane; /* the same-host lane for blocking calls, or NULL */
+
+    /* Seeing inside the job (each with its own lock; see records.h). */
+    rs_flight_t flight;
+    rs_stragglers_t stragglers;
+    double *round_waits;   /* the engine thread's: per rank, this round's wait it caused */
+    uint64_t lane_stalls_seen; /* the engine thread's: lane stalls already asked about */
+    /* Hang reports (under mu): the latest id asked for here and why; the latest snapshot
+     * taken (id, why, the tensors negotiation held, who had submitted each). */
+    uint64_t report_wanted;
+    int report_wanted_reason;
+    uint64_t report_id;
+    int report_reason;
+    rs_pending_info_t *report_items;
+    unsigned char *report_submitted;
+    int report_count;
+    uint64_t report_interrupts; /* rs_engine_interrupt_waits calls: end report waits */
 };
 
 /* Free a request and what it holds (its result too, unless taken). */

@@ -89,6 +89,14 @@ struct rs_lane {
     pthread_mutex_t mu;
     rs_error_t error; /* why the last operation failed: written by the thread holding mu */
     uint32_t serving; /* a joined rank's wait: the epoch it serves (under mu) */
+    uint64_t stalls;  /* stall reports made (atomic: the engine thread reads it) */
+    /* The named call this rank blocks in, for a hang report (under info_mu: the caller
+     * that waits writes it, the engine thread reads it). waiting_seq 0: none. */
+    pthread_mutex_t info_mu;
+    char waiting_name[RS_MAX_NAME_LEN + 1];
+    int waiting_kind;
+    uint64_t waiting_seq;
+    double waiting_since;
 };
 
 rs_lane_t *rs_lane_create(rs_comm_t *comm, int area, double spin_seconds,
@@ -107,7 +115,12 @@ rs_lane_t *rs_lane_create(rs_comm_t *comm, int area, double spin_seconds,
     lane->stall_seconds = stall_seconds;
     lane->max_bytes = max_bytes;
     pthread_mutex_init(&lane->mu, NULL);
+    pthread_mutex_init(&lane->info_mu, NULL);
     return lane;
+}
+
+uint64_t rs_lane_stalls(const rs_lane_t *lane) {
+    return __atomic_load_n(&lane->stalls, __ATOMIC_ACQUIRE);
 }
 
 void rs_lane_lock(rs_lane_t *lane) { pthread_mutex_lock(&lane->mu); }
@@ -118,6 +131,7 @@ void rs_lane_free(rs_lane_t *lane) {
     if (!lane)
         return;
     pthread_mutex_destroy(&lane->mu);
+    pthread_mutex_destroy(&lane->info_mu);
     free(lane->areas);
     free(lane);
 }
@@ -221,8 +235,9 @@ static rs_status_t check_peers(rs_lane_t *lane, double *abort_seen) {
     return peer_gone(lane, aborted, 1);
 }
 
-static void report_stall(const rs_lane_t *lane, uint64_t seq, const char *name, int kind,
+static void report_stall(rs_lane_t *lane, uint64_t seq, const char *name, int kind,
                          double waited) {
+    __atomic_add_fetch(&lane->stalls, 1, __ATOMIC_RELEASE);
     char have[512], missing[512];
     missing_ranks(lane, seq, 1, have, sizeof have);
     missing_ranks(lane, seq, 0, missing, sizeof missing);
@@ -253,16 +268,61 @@ static rs_status_t wait_blocked(rs_lane_t *lane, const waiting_t *w, double *abo
     return check_peers(lane, abort_seen);
 }
 
-/* Spin, then sleep in slices until ready(lane, seq); between slices, look at the engine's
- * failure, the communicator, the peers' sockets, and the stall and timeout deadlines. */
+/* What this rank blocks in (name NULL: nothing), for rs_lane_waiting. */
+static void note_waiting(rs_lane_t *lane, const waiting_t *w, uint64_t seq, double since) {
+    pthread_mutex_lock(&lane->info_mu);
+    lane->waiting_seq = w ? seq : 0;
+    if (w) {
+        snprintf(lane->waiting_name, sizeof lane->waiting_name, "%s", w->name);
+        lane->waiting_kind = w->kind;
+        lane->waiting_since = since;
+    }
+    pthread_mutex_unlock(&lane->info_mu);
+}
+
+int rs_lane_waiting(rs_lane_t *lane, char *name, size_t cap, int *kind, double *since,
+                    unsigned char *posted_by) {
+    pthread_mutex_lock(&lane->info_mu);
+    uint64_t seq = lane->waiting_seq;
+    if (seq) {
+        snprintf(name, cap, "%s", lane->waiting_name);
+        *kind = lane->waiting_kind;
+        *since = lane->waiting_since;
+        for (int r = 0; r < lane->comm->size; r++)
+            posted_by[r] = (unsigned char)posted(lane, r, seq);
+    }
+    pthread_mutex_unlock(&lane->info_mu);
+    return seq != 0;
+}
+
+static rs_status_t wait_slices(rs_lane_t *lane, int (*ready)(const rs_lane_t *, uint64_t),
+                               uint64_t seq, const waiting_t *w, double start);
+
+/* Spin, then sleep in slices until ready(lane, seq) (see wait_slices). A named call that
+ * must sleep says so for a hang report while it does. */
 static rs_status_t wait_for(rs_lane_t *lane, int (*ready)(const rs_lane_t *, uint64_t),
                             uint64_t seq, const waiting_t *w) {
-    double start = rs_now(), spin_until = start + lane->spin_seconds, abort_seen = 0;
+    double start = rs_now(), spin_until = start + lane->spin_seconds;
+    while (!ready(lane, seq))
+        if (rs_now() >= spin_until) {
+            if (w->name)
+                note_waiting(lane, w, seq, start);
+            rs_status_t st = wait_slices(lane, ready, seq, w, start);
+            if (w->name)
+                note_waiting(lane, NULL, 0, 0);
+            return st;
+        }
+    return RS_OK;
+}
+
+/* Sleep in slices until ready(lane, seq); between slices, look at the engine's failure,
+ * the communicator, the peers' sockets, and the stall and timeout deadlines. */
+static rs_status_t wait_slices(rs_lane_t *lane, int (*ready)(const rs_lane_t *, uint64_t),
+                               uint64_t seq, const waiting_t *w, double start) {
+    double abort_seen = 0;
     int stall_reported = !w->name || lane->comm->rank != 0 || lane->stall_seconds <= 0;
     while (!ready(lane, seq)) {
         double now = rs_now();
-        if (now < spin_until)
-            continue;
         rs_status_t blocked = wait_blocked(lane, w, &abort_seen);
         if (blocked != RS_OK) /* A peer may have posted, finished the call and then shut
                                * down (or died) since `ready` was read: what it posted

@@ -46,4 +46,11 @@ rs_status_t rs_lane_refuse(rs_lane_t *lane, const char *name, int kind, const ch
  * next call). Takes the lane a slice at a time. */
 void rs_lane_serve_joined(rs_lane_t *lane, const int *done, uint32_t epoch, double until);
 
+/* Stall reports this lane has made (any thread). */
+uint64_t rs_lane_stalls(const rs_lane_t *lane);
+/* The named blocking call this rank waits in on the lane: 1 and its name, kind, start and
+ * which ranks have posted it (size entries), or 0 when it waits in none. Any thread. */
+int rs_lane_waiting(rs_lane_t *lane, char *name, size_t cap, int *kind, double *since,
+                    unsigned char *posted_by);
+
 #endif

@@ -41,6 +41,7 @@ void rs_pending_free(rs_pending_t *p) {
     free(p->failure);
     free(p->metas);
     free(p->submitted);
+    free(p->arrived_at);
     free(p);
 }
 
@@ -162,9 +163,10 @@ static rs_pending_t *pending_for(rs_negotiator_t *n, const char *name, double no
     p->name = strdup(name);
     p->metas = calloc((size_t)n->size, sizeof *p->metas);
     p->submitted = calloc((size_t)n->size, 1);
+    p->arrived_at = calloc((size_t)n->size, sizeof *p->arrived_at);
     p->order = n->next_order++;
     p->first_seen = now;
-    if (!p->name || !p->metas || !p->submitted || rs_map_put(&n->pending, name, p) != 0) {
+    if (!p->name || !p->metas || !p->submitted || !p->arrived_at || rs_map_put(&n->pending, name, p) != 0) {
         rs_pending_free(p);
         return NULL;
     }
@@ -180,6 +182,11 @@ static rs_status_t record(rs_negotiator_t *n, int r, const char *name, const rs_
     if (!p->submitted[r]) {
         p->submitted[r] = 1;
         p->count++;
+        p->arrived_at[r] = now;
+        if (now != p->last_arrival) { /* (every rank's of one round share its `now`) */
+            p->prev_arrival = p->last_arrival;
+            p->last_arrival = now;
+        }
     }
     p->metas[r] = *meta;
     p->last_rank = r;
@@ -206,6 +213,7 @@ typedef struct {
     uint64_t payload_hash;  /* FNV-1a of those bytes */
     uint64_t blocking_seq;  /* this rank's oldest blocking call not yet run (0: none) */
     uint64_t blocking_hash; /* FNV-1a of its name */
+    uint64_t report;        /* the newest hang report this rank knows of or asks for */
 } round_header_t;
 
 typedef struct {
@@ -325,6 +333,20 @@ static rs_status_t collect_ready(rs_negotiator_t *n, pending_list_t *touched,
     return RS_OK;
 }
 
+/* The newest hang report any rank asked for becomes every rank's (a peer's word, but only
+ * a number: the worst a forged one does is ask for a report). */
+static void agree_on_report(rs_negotiator_t *n, const char *all, size_t record_bytes) {
+    uint64_t newest = n->report;
+    for (int r = 0; r < n->size; r++) {
+        round_header_t h;
+        memcpy(&h, all + (size_t)r * record_bytes, sizeof h);
+        if (h.report > newest)
+            newest = h.report;
+    }
+    n->report_new = newest > n->report;
+    n->report = newest;
+}
+
 static rs_status_t exchange(rs_comm_t *comm, rs_negotiator_t *n, const uint64_t *bits,
                             size_t words, const char *payload, size_t payload_bytes,
                             const uint64_t blocking[2], char **gathered_bits,
@@ -341,7 +363,8 @@ static rs_status_t exchange(rs_comm_t *comm, rs_negotiator_t *n, const uint64_t 
         return no_memory(n, "gathering the round's headers");
     }
     round_header_t h = {ROUND_MAGIC, (uint32_t)words, n->rounds, payload_bytes,
-                        rs_fnv1a(payload, payload_bytes), blocking[0], blocking[1]};
+                        rs_fnv1a(payload, payload_bytes), blocking[0], blocking[1],
+                        n->report_ask > n->report ? n->report_ask : n->report};
     memcpy(mine, &h, sizeof h);
     memcpy(mine + sizeof h, bits, words * 8);
     for (int r = 0; r < n->size; r++)
@@ -363,6 +386,7 @@ static rs_status_t exchange(rs_comm_t *comm, rs_negotiator_t *n, const uint64_t 
         counts[r] = (int64_t)h.payload_bytes;
     }
     n->rounds++;
+    agree_on_report(n, all, record_bytes);
     if (total == 0)
         return RS_OK;
     /* Second round, only when some rank sent tensors the cache does not know. */
@@ -698,8 +722,20 @@ void rs_pending_ranks(const rs_pending_t *p, int size, int want, char *out, size
     rs_format_ranks(p->submitted, size, want, out, cap);
 }
 
-double rs_negotiator_stalls(rs_negotiator_t *n, double now, double after) {
+int rs_pending_waits(const rs_pending_t *p, int size, double *waits) {
+    if (p->count < size || p->failure || rs_pending_is_p2p(p) ||
+        p->metas[p->last_rank].kind == RS_KIND_JOIN)
+        return 0;
+    double wait = p->prev_arrival > 0 ? p->last_arrival - p->prev_arrival : 0;
+    for (int r = 0; r < size && wait > 0; r++)
+        if (p->arrived_at[r] == p->last_arrival && waits[r] < wait)
+            waits[r] = wait;
+    return 1;
+}
+
+double rs_negotiator_stalls(rs_negotiator_t *n, double now, double after, int *reported) {
     double next_due = 0;
+    *reported = 0;
     for (size_t i = 0; i < n->pending.capacity; i++) {
         rs_pending_t *p = n->pending.keys[i] ? n->pending.values[i] : NULL;
         if (!p || p->stall_reported || p == n->join)
@@ -714,6 +750,7 @@ double rs_negotiator_stalls(rs_negotiator_t *n, double now, double after) {
             rs_pending_ranks(p, n->size, 0, missing, sizeof missing);
             rs_report_stall(p->name, p->metas[some].kind, have, missing, now - p->first_seen);
             p->stall_reported = 1;
+            (*reported)++;
         } else if (next_due == 0 || due < next_due) {
             next_due = due;
         }

@@ -19,6 +19,10 @@ typedef struct {
     int count;
     int64_t order;            /* first appearance: the order every rank runs ready tensors */
     double first_seen;
+    /* Arrivals, on this rank's clock of rounds: when each rank's submission came, and the
+     * last two rounds that brought any (for the straggler events: see rs_pending_waits). */
+    double *arrived_at;
+    double last_arrival, prev_arrival;
     int stall_reported;
     int last_rank;            /* the rank whose submission was recorded last */
     rs_work_t *mine;          /* this rank's request, once submitted */
@@ -48,6 +52,12 @@ typedef struct {
     uint64_t failed_blocking[RS_FAILED_BLOCKING_KEEP];
     char *failed_blocking_text[RS_FAILED_BLOCKING_KEEP];
     int failed_blocking_next;
+    /* Hang reports: the latest report id (<< 8 | reason) every rank has seen; this rank
+     * asks for a newer one by setting report_ask before a round. report_new: the last
+     * round brought a newer one. */
+    uint64_t report;
+    uint64_t report_ask;
+    int report_new;
 } rs_negotiator_t;
 
 rs_status_t rs_negotiator_init(rs_negotiator_t *n, rs_comm_t *comm, int capacity);
@@ -70,6 +80,11 @@ void rs_pending_ranks(const rs_pending_t *p, int size, int want, char *out, size
 /* Tensors waiting longer than `after` seconds, for the stall report: fills a message
  * for each not yet reported (printed on stderr). Returns the earliest time a report could
  * next be due (or 0 when none is waiting). */
-double rs_negotiator_stalls(rs_negotiator_t *n, double now, double after);
+double rs_negotiator_stalls(rs_negotiator_t *n, double now, double after, int *reported);
+/* A ready collective that every rank submitted: how long the others waited for the ranks
+ * whose submissions came in its last round of arrivals (waits[r] raised to it for each);
+ * returns 0 (waits untouched) for a message, a join, a failure, or one that joined ranks
+ * did not submit. */
+int rs_pending_waits(const rs_pending_t *p, int size, double *waits);
 
 #endif

@@ -278,6 +278,8 @@ static rs_status_t accept_all(rs_engine_t *e, const char **names, const rs_reque
 /* Under mu. */
 static void enqueue_locked(rs_engine_t *e, rs_work_t *w) {
     w->submitted_at = rs_now();
+    w->flight_seq = rs_flight_begin(&e->flight, w->name, &w->meta, RS_ROUTE_ENGINE,
+                                    w->submitted_at);
     if (e->queue_tail)
         e->queue_tail->next = w;
     else
@@ -628,12 +630,14 @@ rs_status_t rs_engine_try_lane(rs_engine_t *e, const char *name, const rs_reques
     rs_meta_t meta = compared_meta(r);
     rs_error_t why; /* read only after a failure */
     double start = rs_now();
+    uint64_t flight = rs_flight_begin(&e->flight, name, &meta, RS_ROUTE_LANE, start);
     rs_lane_lock(lane);
     st = rs_lane_run(lane, name, &meta, element_count(&meta), r->sendbuf, r->recvbuf,
                      &e->lane_stop, completed_joins(e), ran);
     if (st != RS_OK)
         rs_error_copy(&why, rs_lane_error(lane)); /* before another thread's call */
     rs_lane_unlock(lane);
+    rs_flight_end(&e->flight, flight, *ran ? (int)st : RS_FLIGHT_HANDED_OVER, rs_now());
     rs_timeline_t *timeline = &e->timeline;
     if (*ran && timeline->file)
         rs_timeline_span(timeline, r->kind, name, RS_SPAN_LANE, start, rs_now());

@@ -118,6 +118,19 @@ static int track_of(rs_timeline_t *t, const char *tensor) {
     return (int)tid;
 }
 
+void rs_timeline_counter(rs_timeline_t *t, const char *name, int series_rank, double value,
+                         double now) {
+    pthread_mutex_lock(&t->mu);
+    if (t->file) {
+        begin_event(t);
+        fputs("{\"name\": ", t->file);
+        write_json_string(t->file, name);
+        fprintf(t->file, ", \"ph\": \"C\", \"pid\": %d, \"ts\": %.3f, "
+                "\"args\": {\"rank %d\": %.3f}}", t->rank, now * 1e6, series_rank, value);
+    }
+    pthread_mutex_unlock(&t->mu);
+}
+
 void rs_timeline_cycle(rs_timeline_t *t, double now) {
     pthread_mutex_lock(&t->mu);
     if (t->file && t->mark_cycles) {

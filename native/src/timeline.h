@@ -36,6 +36,9 @@ typedef enum {
 /* One span of the life of tensor `name`, a collective of `kind`. */
 void rs_timeline_span(rs_timeline_t *t, int kind, const char *name, rs_span_t phase,
                       double start, double end);
+/* A counter track `name` with one series per rank ("rank 3"), set to value at `now`. */
+void rs_timeline_counter(rs_timeline_t *t, const char *name, int series_rank, double value,
+                         double now);
 /* CYCLE_START, an instant event on this rank's process, where mark_cycles is on. */
 void rs_timeline_cycle(rs_timeline_t *t, double now);
 

@@ -34,6 +34,7 @@ typedef struct rs_work {
     int synthetic; /* made by the engine for a joined rank: zeros in, result discarded */
     int refusal;   /* stands for a call this rank refused: no handle, freed once negotiated */
     uint64_t blocking_seq; /* this rank's count of blocking calls, this one's; 0: not one */
+    uint64_t flight_seq;   /* its flight record (0: none) */
     struct rs_work *next; /* submission queue */
 } rs_work_t;
 

@@ -10,7 +10,8 @@ Importing this module imports JAX; nothing else in ringsync does.
 # ruff: noqa: F401
 # The names below are the module's API (Horovod's names), re-exported on purpose.
 from ringsync.basics import (cross_rank, cross_size, init, is_initialized, local_rank,
-                             local_size, rank, shutdown, size, start_timeline, stop_timeline)
+                             local_size, rank, shutdown, size, start_timeline, stop_timeline,
+                             straggler_report, flight_records, request_hang_report)
 from ringsync.errors import (CommunicationError, HorovodInternalError, HostsUpdatedInterrupt,
                              MismatchError, RingsyncError, UsageError)
 from ringsync.ops import ReduceOp

@@ -15,6 +15,9 @@
     them all.
 ``ringsync doctor``
     the versions and settings report of ringsync.launch.doctor.
+``ringsync trace DIR`` / ``ringsync report DIR [--id N]``
+    read what the ranks wrote when something went wrong (ringsync.diagnose): where their
+    flight records diverge; one hang report merged from its parts.
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ import shlex
 import shutil
 import sys
 import tempfile
+import warnings
 
+from ringsync.diagnose import (describe_divergence, format_hang_report, load_flight_records,
+                               load_hang_parts)
 from ringsync.errors import LauncherError
 from ringsync.launch import direct, doctor, mpirun, process
 from ringsync.launch.config_file import apply_config_file, log_level_type, number_type
@@ -316,7 +322,7 @@ def make_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     parser = argparse.ArgumentParser(
         prog="ringsync", description="Launch and inspect ringsync jobs.", allow_abbrev=False
     )
-    commands = parser.add_subparsers(dest="command", metavar="{run,doctor}")
+    commands = parser.add_subparsers(dest="command", metavar="{run,doctor,trace,report}")
     run_parser = commands.add_parser(
         "run",
         help="start a program on N ranks (mpirun, or this host, or ssh)",
@@ -334,7 +340,21 @@ def make_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     for flags, kwargs in RUN_OPTIONS:
         run_parser.add_argument(*flags, **kwargs)
     commands.add_parser("doctor", help="report versions and MPI / framework support")
+    add_diagnose_commands(commands)
     return parser, run_parser
+
+
+def add_diagnose_commands(commands) -> None:
+    trace_parser = commands.add_parser(
+        "trace", help="say where the ranks diverged, from their flight records")
+    trace_parser.add_argument("directory", metavar="DIR",
+                              help="the directory holding the ranks' rank-<R>.json")
+    report_parser = commands.add_parser(
+        "report", help="merge the parts of a hang report into one")
+    report_parser.add_argument("directory", metavar="DIR",
+                               help="the directory holding hang-<id>-rank-<R>.json")
+    report_parser.add_argument("--id", dest="report", type=int, metavar="N",
+                               help="report N (default: the latest)")
 
 
 def parse_run_options(argv: list[str]) -> RunOptions:
@@ -442,6 +462,33 @@ def run_without_mpi(options: RunOptions) -> int:
     return direct.run_direct(options)
 
 
+def diagnose(namespace: argparse.Namespace) -> int:
+    """``ringsync trace`` / ``ringsync report``: print what the files say; 2 where there is
+    no directory or nothing of that kind in it. Files skipped as unreadable are named on
+    stderr either way (the reason there may be nothing to read)."""
+    text, problem = None, None
+    with warnings.catch_warnings(record=True) as skipped:
+        warnings.simplefilter("always")
+        try:
+            text = read_and_describe(namespace)
+        except OSError as exc:  # no directory, nothing in it, or an --id it does not hold
+            problem = exc
+    for note in skipped:
+        print("ringsync %s: %s" % (namespace.command, note.message), file=sys.stderr)
+    if problem is not None:
+        print("ringsync %s: error: %s" % (namespace.command, problem), file=sys.stderr)
+        return 2
+    print(text)
+    return 0
+
+
+def read_and_describe(namespace: argparse.Namespace) -> str:
+    if namespace.command == "trace":
+        return describe_divergence(load_flight_records(namespace.directory))
+    _report_id, parts = load_hang_parts(namespace.directory, namespace.report)
+    return format_hang_report(parts)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
@@ -452,6 +499,8 @@ def main(argv: list[str] | None = None) -> int:
         namespace = parser.parse_args(argv)
         if namespace.command == "doctor":
             return doctor.doctor()
+        if namespace.command in ("trace", "report"):
+            return diagnose(namespace)
         parser.print_help()
         return 2
     except LauncherError as exc:

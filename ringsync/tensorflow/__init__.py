@@ -14,7 +14,8 @@ import types as _types
 
 # The names below are the module's API (horovod.tensorflow's), re-exported on purpose.
 from ringsync.basics import (cross_rank, cross_size, init, is_initialized, local_rank,
-                             local_size, rank, shutdown, size, start_timeline, stop_timeline)
+                             local_size, rank, shutdown, size, start_timeline, stop_timeline,
+                             straggler_report, flight_records, request_hang_report)
 from ringsync.ops import ReduceOp
 from ringsync.process_sets import (ProcessSet, add_process_set, global_process_set,
                                    remove_process_set)

@@ -13,7 +13,8 @@ device-to-host copy on top of the reduction.
 # ruff: noqa: F401
 # The names below are the module's API (horovod.torch's), re-exported on purpose.
 from ringsync.basics import (cross_rank, cross_size, init, is_initialized, local_rank,
-                             local_size, rank, shutdown, size, start_timeline, stop_timeline)
+                             local_size, rank, shutdown, size, start_timeline, stop_timeline,
+                             straggler_report, flight_records, request_hang_report)
 from ringsync.build_info import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled,
                                  is_homogeneous, mpi_built, mpi_enabled, mpi_threads_supported,
                                  nccl_built, rocm_built)
