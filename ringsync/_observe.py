@@ -331,7 +331,7 @@ class Observer:
             print(f"ringsync: rank {ring.rank}: cannot write its hang report part {path}: {e}",
                   file=sys.stderr, flush=True)
             return
-        if ring.rank == 0 and not os.environ.get("RINGSYNC_LAUNCHER_MERGES_REPORTS"):
+        if ring.rank == 0 and self.config.hang_report_merged_by.lower() != "launcher":
             self._print_merged(report)
 
     def _print_merged(self, report: int, patience: float = 3.0):

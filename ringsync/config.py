@@ -205,6 +205,10 @@ class Config:
         help="where each rank writes its part of a hang report (on a stall, or `SIGUSR1`); "
              "`ringsync report DIR` merges them (`ringsync run` prints the merged table "
              "itself)")
+    hang_report_merged_by: str = _setting(
+        "rank0", "RINGSYNC_HANG_REPORT_MERGED_BY", choices=("rank0", "launcher"),
+        help="who prints a hang report's merged table: rank 0, on stderr, once the parts "
+             "on its host are in; `launcher`: `ringsync run` (which sets it)")
     straggler_report_seconds: float = _setting(
         0.0, "RINGSYNC_STRAGGLER_REPORT_SECONDS", unit="seconds", zero="never",
         help="rank 0 looks this often at who kept the others waiting, and logs a line when "

@@ -124,6 +124,12 @@ SLOW_MPIRUN = [
     "tests/faults/test_elastic.py::test_reset_limit_ends_the_job",
     "tests/faults/test_elastic.py::test_without_ulfm_a_lost_rank_ends_the_job",
     "tests/faults/test_elastic.py::test_respawn_returns_the_job_to_its_size",
+    # seeing inside a job: one job per scenario (the plain mpirun hang report stays fast)
+    "tests/mpi/test_job_insight.py::test_a_slow_rank_*",
+    "tests/mpi/test_job_insight.py::test_*_under_ringsync_run",
+    "tests/mpi/test_job_insight.py::test_the_first_ctrl_c_*",
+    "tests/mpi/test_job_insight.py::test_a_killed_rank_*",
+    "tests/mpi/test_job_insight.py::test_a_mismatched_collective_*",
 ]
 
 # Deadlines waited out on purpose (a hang, a stall, a timeout: seconds of nothing).

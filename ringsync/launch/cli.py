@@ -33,6 +33,7 @@ from ringsync.diagnose import (describe_divergence, format_hang_report, load_fli
                                load_hang_parts)
 from ringsync.errors import LauncherError
 from ringsync.launch import direct, doctor, mpirun, process
+from ringsync.launch.diagnostics import JobDiagnostics
 from ringsync.launch.config_file import apply_config_file, log_level_type, number_type
 from ringsync.launch.mpirun import RunOptions
 
@@ -423,7 +424,11 @@ def run(options: RunOptions) -> int:
         return run_without_mpi(options)
     mpirun_path = mpirun.find_mpirun()
     status_dir = None if options.dry_run else tempfile.mkdtemp(prefix="ringsync-job-")
+    diagnostics = None if options.dry_run else JobDiagnostics(options.np)
+    status = 1
     try:
+        if diagnostics is not None:
+            diagnostics.start()  # (before the command: mpirun exports the environment)
         command = mpirun.build_mpirun_command(options, mpirun_path, job_status_dir=status_dir)
         if options.verbose:
             print(doctor.describe_run(options, command), file=sys.stderr, flush=True)
@@ -433,14 +438,27 @@ def run(options: RunOptions) -> int:
         output = None
         if options.output_filename and mpirun.mpi_flavor(mpirun_path) == mpirun.OPEN_MPI:
             output = process.OutputFiles(options.output_filename, options.np)
-        status, message = process.job_status(process.run_forwarding_signals(command, output),
-                                             process.read_job_records(status_dir))
+        status, message = process.job_status(
+            process.run_forwarding_signals(command, output, diagnostics),
+            process.read_job_records(status_dir))
         if message:
             print(message, file=sys.stderr, flush=True)
         return status
     finally:
         if status_dir:
             shutil.rmtree(status_dir, ignore_errors=True)
+        finish_diagnostics(diagnostics, status)
+
+
+def finish_diagnostics(diagnostics, status: int) -> None:
+    """After the job: the reports still to print, and after a failure where the ranks
+    diverged (their flight records)."""
+    if diagnostics is None:
+        return
+    diagnostics.stop()
+    if status != 0:
+        diagnostics.explain_failure()
+    diagnostics.close(failed=status != 0)
 
 
 def run_without_mpi(options: RunOptions) -> int:
@@ -459,7 +477,13 @@ def run_without_mpi(options: RunOptions) -> int:
             shlex.join(options.program)), file=sys.stderr, flush=True)
     if options.dry_run:
         return 0
-    return direct.run_direct(options)
+    diagnostics, status = JobDiagnostics(options.np), 1
+    try:
+        diagnostics.start()
+        status = direct.run_direct(options, diagnostics)
+        return status
+    finally:
+        finish_diagnostics(diagnostics, status)
 
 
 def diagnose(namespace: argparse.Namespace) -> int:

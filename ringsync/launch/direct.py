@@ -74,8 +74,9 @@ class DirectJob:
     """A job whose ranks this launcher starts: the store, the ranks, their output, the
     signals passed on, replacements, and the exit status."""
 
-    def __init__(self, options: RunOptions, status_dir: str):
+    def __init__(self, options: RunOptions, status_dir: str, diagnostics=None):
         self.options, self.status_dir = options, status_dir
+        self.diagnostics = diagnostics  # launch.diagnostics.JobDiagnostics, or None
         self.remote = options.launcher == "ssh"
         self.places = slots_of(options.hosts if self.remote else None, options.np)
         self.secret = secrets.token_hex(32)
@@ -186,6 +187,10 @@ class DirectJob:
         pending: list[int] = []
 
         def on_signal(signum, _frame):
+            if signum == signal.SIGINT and self.diagnostics is not None and \
+                    self.diagnostics.first_interrupt(lambda: pending.append(signal.SIGUSR1),
+                                                     lambda: pending.append(signal.SIGINT)):
+                return  # (a hang report first; the interrupt follows it)
             pending.append(signum)
 
         previous = {sig: signal.signal(sig, on_signal) for sig in FORWARDED}
@@ -368,10 +373,10 @@ def _remove_tree(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def run_direct(options: RunOptions) -> int:
+def run_direct(options: RunOptions, diagnostics=None) -> int:
     status_dir = tempfile.mkdtemp(prefix="ringsync-job-")
     try:
-        return DirectJob(options, status_dir).run()
+        return DirectJob(options, status_dir, diagnostics).run()
     finally:
         _remove_tree(status_dir)
 

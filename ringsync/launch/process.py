@@ -151,17 +151,24 @@ class OutputFiles:
             f.close()
 
 
-def run_forwarding_signals(command: list[str], output: OutputFiles | None = None) -> int:
+def run_forwarding_signals(command: list[str], output: OutputFiles | None = None,
+                           diagnostics=None) -> int:
     """Run ``command`` (mpirun) and return its exit status, passing signals on as the
     module docstring describes; with ``output``, mpirun's output goes through it.
 
     Each signal we get is passed on once to mpirun's process group (Open MPI puts each
     rank in a group of its own), and mpirun acts on the ranks itself. A child killed by
-    signal N yields 128 + N, like a shell.
+    signal N yields 128 + N, like a shell. With ``diagnostics``
+    (launch.diagnostics.JobDiagnostics) the first SIGINT asks for a hang report first.
     """
     job = {"mpirun": None, "pending": []}
 
     def on_signal(signum, _frame):
+        mpirun = job["mpirun"]
+        if signum == signal.SIGINT and mpirun is not None and diagnostics is not None and \
+                diagnostics.first_interrupt(lambda: pass_on(mpirun, signal.SIGUSR1),
+                                            lambda: pass_on(mpirun, signal.SIGINT)):
+            return
         if job["mpirun"] is not None:
             pass_on(job["mpirun"], signum)
         elif signum == signal.SIGCONT:
