@@ -190,7 +190,7 @@ class Config:
              "in the timeline")
     flight_recorder_size: int = _setting(
         512, "RINGSYNC_FLIGHT_RECORDER_SIZE", unit="collectives", maximum=1 << 20,
-        zero="none kept",
+        zero="none kept, nor straggler events",
         help="the flight recorder: each rank keeps its last collectives (name, kind, dtype, "
              "shape, times, outcome) in memory; see [When a job hangs or crawls]"
              "(#when-a-job-hangs-or-crawls)")

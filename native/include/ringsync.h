@@ -222,7 +222,8 @@ typedef struct {
     int64_t lane_max_bytes;         /* same-host lane: largest allreduce (0: no lane) */
     int64_t staged_min_bytes;       /* every rank on this host: allreduces at least this large
                                        reduce through shared memory, not the ring (0: never) */
-    int flight_records;             /* collectives the flight recorder keeps (0: none) */
+    int flight_records;             /* collectives the flight recorder keeps (0: none, and no
+                                       straggler events either) */
     int report_on_stall;            /* rank 0: a stall report asks every rank for a hang report */
 } rs_engine_config_t;
 

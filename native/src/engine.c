@@ -287,6 +287,8 @@ static rs_status_t take_part(rs_engine_t *e, rs_pending_t **ready, int nready) {
  * straggler event per rank (see rs_wait_event_t), and a counter on the timeline. */
 static void note_waits(rs_engine_t *e, rs_pending_t **ready, int nready) {
     int size = e->comm->size, collectives = 0;
+    if (!e->stragglers.capacity)
+        return;
     for (int r = 0; r < size; r++)
         e->round_waits[r] = 0;
     for (int i = 0; i < nready; i++)
@@ -649,8 +651,10 @@ static int engine_init(rs_engine_t *e, rs_comm_t *comm, const rs_engine_config_t
     e->p2p_received = calloc((size_t)comm->size, sizeof *e->p2p_received);
     e->shut_down = calloc((size_t)comm->size, 1);
     e->round_waits = calloc((size_t)comm->size, sizeof *e->round_waits);
+    /* (no flight records: no straggler events either, to measure what keeping them costs) */
     int records = rs_flight_init(&e->flight, config->flight_records) |
-                  rs_stragglers_init(&e->stragglers, STRAGGLER_EVENTS);
+                  rs_stragglers_init(&e->stragglers,
+                                     config->flight_records > 0 ? STRAGGLER_EVENTS : 0);
     if (!e->p2p_sent || !e->p2p_received || !e->shut_down || !e->round_waits || records ||
         rs_negotiator_init(&e->negotiator, comm, config->cache_capacity) != RS_OK ||
         pipe2(e->wake, O_NONBLOCK | O_CLOEXEC) != 0)
