@@ -399,8 +399,13 @@ static double check_deadlines(rs_engine_t *e) {
     if (lane_stalls != e->lane_stalls_seen)
         stalls++;
     e->lane_stalls_seen = lane_stalls;
-    if (stalls && e->config.report_on_stall)
+    /* (tensors that stall one after another make one report per stall period, not one
+     * each: a report writes a file on every rank) */
+    if (stalls && e->config.report_on_stall &&
+        now - e->last_stall_report >= e->config.stall_check_seconds) {
+        e->last_stall_report = now;
         rs_engine_request_report(e, RS_REPORT_STALL);
+    }
     rs_pending_t *oldest = NULL;
     for (size_t i = 0; i < n->pending.capacity; i++) {
         rs_pending_t *p = n->pending.keys[i] ? n->pending.values[i] : NULL;

@@ -83,6 +83,7 @@ struct rs_engine {
     rs_stragglers_t stragglers;
     double *round_waits;   /* the engine thread's: per rank, this round's wait it caused */
     uint64_t lane_stalls_seen; /* the engine thread's: lane stalls already asked about */
+    double last_stall_report;  /* the engine thread's: when a stall last asked for a report */
     /* Hang reports (under mu): the latest id asked for here and why; the latest snapshot
      * taken (id, why, the tensors negotiation held, who had submitted each). */
     uint64_t report_wanted;
