@@ -439,7 +439,7 @@ def run(options: RunOptions) -> int:
         if options.output_filename and mpirun.mpi_flavor(mpirun_path) == mpirun.OPEN_MPI:
             output = process.OutputFiles(options.output_filename, options.np)
         status, message = process.job_status(
-            process.run_forwarding_signals(command, output, diagnostics),
+            process.run_forwarding_signals(command, output, diagnostics=diagnostics),
             process.read_job_records(status_dir))
         if message:
             print(message, file=sys.stderr, flush=True)

@@ -46,11 +46,18 @@ class JobDiagnostics:
                 "RINGSYNC_HANG_REPORT_MERGED_BY": "launcher"}
 
     def start(self) -> None:
+        """Export the directories (the launchers pass this environment on) and watch."""
+        self._saved = {name: os.environ.get(name) for name in self.environment()}
         os.environ.update(self.environment())
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
+        for name, value in getattr(self, "_saved", {}).items():  # (the launcher's own again)
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         if self._thread.is_alive():
             self._thread.join(timeout=PATIENCE_S + 1)
         self._print_ready_reports(final=True)

@@ -69,7 +69,7 @@ def test_options_only_mpirun_has_are_refused_without_it(capsys):
 def test_verbose_prints_command_and_settings(fake_mpi, capsys, monkeypatch):
     launched = []
     monkeypatch.setattr(process, "run_forwarding_signals",
-                        lambda cmd, output=None: launched.append(cmd) or 0)
+                        lambda cmd, output=None, diagnostics=None: launched.append(cmd) or 0)
     monkeypatch.setenv("RINGSYNC_TIMEOUT_SECONDS", "30")
     assert cli.main(["run", "-np", "2", "--verbose", "a.py"]) == 0
     err = capsys.readouterr().err
