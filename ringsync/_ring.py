@@ -76,6 +76,7 @@ class NativeRing:
         lib.rs_comm_set_hierarchical(
             self.c, _HIERARCHICAL_MODES[hierarchical_mode(self.config.hierarchical_allreduce)],
             self.config.hierarchical_bytes)
+        lib.rs_comm_set_deterministic(self.c, self.config.deterministic)
 
     def _choice_error(self):
         """None, or a usage error for the settings that are none of their choices."""

@@ -2,7 +2,7 @@
 installed, torch.distributed on gloo, measured in the same run.
 
     python -m ringsync.bench [--np 2 4] [--min-size 4K] [--max-size 64M] [--seconds 0.3]
-                             [--plot busbw.png]
+                             [--plot busbw.png] [--deterministic]
 
 The driver starts one mpirun job per rank count; in each job every size is timed for
 ringsync and MPI in turn on the same buffer, then (once gloo's process group exists, as it
@@ -11,8 +11,9 @@ median of three timed runs), bus bandwidth (size * 2(N-1)/N / time) and the rati
 (their time / ringsync's time: above 1 means ringsync is faster), and the memory bound: every rank copying the buffer once at
 the same time ("copy", what any allreduce must at least do), with ringsync's time over it.
 The end of the output checks the figures against the project's speed goals (met or not).
---plot draws bus bandwidth against size (needs matplotlib). This is a benchmark, not a
-test: nothing here asserts on time.
+--plot draws bus bandwidth against size (needs matplotlib). --deterministic measures,
+instead, RINGSYNC_DETERMINISTIC=1 against the default, each size timed on both in turn.
+This is a benchmark, not a test: nothing here asserts on time.
 """
 import argparse
 import json
@@ -83,6 +84,12 @@ def worker(args):
 
     MPI = _mpi()
     comm = MPI.COMM_WORLD
+    if args.deterministic:
+        rows = deterministic_figures(comm, args)
+        if comm.rank == 0:
+            with open(args.worker, "w") as f:
+                json.dump({"np": comm.size, "deterministic": rows}, f)
+        return
     basics.init()
     rows = []
     for size in sizes_between(args.min_size, args.max_size):
@@ -127,6 +134,52 @@ def _gloo_allreduce(comm):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank,
                             world_size=comm.size)
     return lambda buf: dist.all_reduce(torch.from_numpy(buf))
+
+
+# What RINGSYNC_DETERMINISTIC=1 is measured on: (label, Config overrides, collective).
+# On one host large blocking allreduces are staged through shared memory in either mode;
+# without the lane and staging, allreduces take the engine's algorithms, as across hosts.
+DETERMINISTIC_CASES = [
+    ("allreduce (one host's paths)", {}, "allreduce"),
+    ("allreduce (engine: as across hosts)", {"lane_bytes": 0, "staged_bytes": 0}, "allreduce"),
+    ("reducescatter", {}, "reducescatter"),
+]
+
+
+def deterministic_figures(comm, args) -> list:
+    """Seconds per call (float32 sum) of each case and size, by the default's communicator
+    and a deterministic one over the same ranks, timed in turn on the same buffer."""
+    import dataclasses
+
+    import numpy as np
+
+    from ._core import Communicator
+    from .config import Config
+
+    rows = []
+    for label, overrides, kind in DETERMINISTIC_CASES:
+        config = dataclasses.replace(Config.from_env(), **overrides)
+        rings = [Communicator(comm, config=dataclasses.replace(config, deterministic=mode))
+                 for mode in (0, 1)]
+        for size in sizes_between(args.min_size, args.max_size):
+            buf = np.full(size // 4, comm.rank + 1.0, dtype=np.float32)
+            times = [_time_calls(lambda: getattr(ring, kind)(buf, op=ReduceOp.SUM,
+                                                            name="bench.det"), args.seconds, comm)
+                     for ring in rings]
+            rows.append({"case": label, "size": size, "default": times[0],
+                         "deterministic": times[1]})
+        for ring in rings:
+            ring.shutdown()
+    return rows
+
+
+def print_deterministic(result: dict) -> None:
+    print(f"\n{result['np']} ranks: RINGSYNC_DETERMINISTIC=1 against the default, float32 "
+          "sum (ratio: deterministic time / default time)")
+    print(f"{'case':>36} | {'size':>9} | {'default us':>11} {'determ. us':>11} {'ratio':>6}")
+    for row in result["deterministic"]:
+        print(f"{row['case']:>36} | {human(row['size']):>9} | {row['default'] * 1e6:11.1f} "
+              f"{row['deterministic'] * 1e6:11.1f} {row['deterministic'] / row['default']:6.2f}")
 
 
 FUSED_TENSORS = 200
@@ -191,7 +244,8 @@ def run_job(np_: int, args) -> dict:
         out = os.path.join(tmp, "result.json")
         worker_args = [sys.executable, "-m", "ringsync.bench", "--worker", out,
                        "--min-size", str(args.min_size), "--max-size", str(args.max_size),
-                       "--seconds", str(args.seconds)]
+                       "--seconds", str(args.seconds)] + (
+                           ["--deterministic"] if args.deterministic else [])
         # Ranks bound to cores where each can have its own (as MPI benchmarks run): left
         # to float, two ranks' spinning waits sometimes share a core, and both libraries'
         # large-message times then swing by 2-3x from run to run.
@@ -319,10 +373,16 @@ def main(argv=None):
                         help="time to spend per size and library (default 0.3)")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="draw bus bandwidth against size for the three (needs matplotlib)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="instead: RINGSYNC_DETERMINISTIC=1's cost against the default")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args)
+    if args.deterministic:
+        for np_ in args.np:
+            print_deterministic(run_job(np_, args))
+        return 0
     print("Bus bandwidth = size * 2(N-1)/N / time; ratio above 1: ringsync is faster.")
     results = []
     for np_ in args.np:

@@ -294,6 +294,15 @@ class Config:
              "the buffer through one connection, the hierarchical allreduce 2(H−1)/H of it "
              "through one per local rank (N ranks, H hosts): 1.5× against 1× on 2 hosts of "
              "2 ranks")
+    deterministic: int = _setting(
+        0, "RINGSYNC_DETERMINISTIC", maximum=1, agreed=True,
+        help="1: allreduce and reducescatter results are the same bits from run to run for "
+             "the same inputs and rank count, whatever the fusion threshold, cycle time, "
+             "submission order, crossovers, path (lane or engine) and fusion: every element "
+             "is folded in rank order, rank 0's prescaled value first (`Average` divides "
+             "after). Large allreduces then exchange even blocks in one round and allgather "
+             "them around the ring (the ring's bytes; no hierarchical allreduce across "
+             "hosts). Adasum is unchanged; see [Reproducible results](#reproducible-results)")
     host_name: Optional[str] = _setting(
         None, "RINGSYNC_HOST_NAME", unit="name", default_text="(the host name)",
         help="the host this rank reports: ranks reporting the same name count as one host "

@@ -96,6 +96,14 @@ typedef enum {
     RS_HIERARCHICAL_AUTO = 2
 } rs_hierarchical_mode_t;
 rs_status_t rs_comm_set_hierarchical(rs_comm_t *comm, int mode, size_t min_bytes);
+/* Non-zero: allreduce and reducescatter fold every element in rank order (rank 0's
+ * prescaled value, then rank 1's, ...; Average's division and the postscale after), so
+ * their bits depend only on the inputs and the rank count: never on the sizes, the fusion,
+ * the crossovers or the path. Large allreduces then exchange even blocks in one round and
+ * allgather them around the ring (the ring's bytes; across hosts, no hierarchical
+ * allreduce); Adasum is unchanged. Every rank must set the same; call before the engine
+ * starts. */
+rs_status_t rs_comm_set_deterministic(rs_comm_t *comm, int on);
 /* A debug counter: the bytes this rank has sent to each rank (size entries each) through
  * TCP and through shared-memory rings since it connected, setup and shared-memory wake-ups
  * not included. The same-host lane and the staged allreduce, which work in shared areas
@@ -116,7 +124,8 @@ int rs_comm_is_broken(const rs_comm_t *comm);
 
 /* Allreduce of `count` elements from sendbuf into recvbuf (they may be equal): one round
  * for small buffers (rs_comm_set_small_allreduce), hierarchical across hosts where chosen
- * (rs_comm_set_hierarchical), else the ring. */
+ * (rs_comm_set_hierarchical), else the ring; in rank order where deterministic
+ * (rs_comm_set_deterministic). */
 rs_status_t rs_allreduce(rs_comm_t *comm, const void *sendbuf, void *recvbuf, size_t count,
                          rs_dtype_t dtype, rs_op_t op, double prescale, double postscale);
 /* recvbuf receives `counts[i]` elements from every rank i in rank order. Element

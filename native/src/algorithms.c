@@ -8,6 +8,7 @@
 #include "checked.h"
 #include "gather_log.h"
 #include "hierarchical.h"
+#include "ordered.h"
 #include "reduce.h"
 #include "ring.h"
 #include "util.h"
@@ -76,50 +77,26 @@ rs_status_t rs_finish_scale(rs_comm_t *comm, void *buf, size_t count, rs_dtype_t
     return factor == 1.0 ? RS_OK : rs_scale(comm, buf, count, dtype, factor);
 }
 
-/* ---- allreduce algorithms (the rings are in ring.c, hierarchical.c) ---- */
+/* ---- allreduce algorithms (ring.c, hierarchical.c, ordered.c) ---- */
 
-/* Small messages: every rank sends its whole buffer to every peer at once and reduces all
- * of them itself, in rank order (so every rank computes the very same bits). One round
- * of latency instead of the ring's 2(N-1), for N-1 times the bytes received. */
-static rs_status_t direct_allreduce(rs_comm_t *comm, char *buf, size_t bytes, size_t count,
-                                    rs_reduce_fn reduce) {
-    int size = comm->size;
-    char *slots;
-    RS_CHECK(rs_scratch(comm, (size_t)size * bytes, (void **)&slots));
-    rs_xfer_t stack_xfers[32];
-    rs_xfer_t *x = 2 * size <= 32 ? stack_xfers : malloc(2 * (size_t)size * sizeof *x);
-    if (!x)
-        return rs_fail(comm, RS_ERR_NOMEM, "out of memory");
-    int n = 0;
-    for (int p = 0; p < size; p++) {
-        if (p == comm->rank)
-            continue;
-        x[n++] = rs_send_to(p, buf, bytes);
-        x[n++] = rs_recv_from(p, slots + (size_t)p * bytes, bytes);
-    }
-    memcpy(slots + (size_t)comm->rank * bytes, buf, bytes);
-    rs_status_t st = rs_progress(comm, x, n);
-    if (x != stack_xfers)
-        free(x);
-    RS_CHECK(st);
-    for (int p = 1; p < size; p++)
-        reduce(slots, slots + (size_t)p * bytes, count);
-    memcpy(buf, slots, bytes);
-    return RS_OK;
-}
-
-/* Which algorithm reduces `count` elements across the ranks. Hierarchical forced on takes
- * every allreduce (what Horovod's HOROVOD_HIERARCHICAL_ALLREDUCE=1 means); otherwise small
- * buffers go in one round, and large ones hierarchically where the topology allows and
- * they reach its threshold, else around the flat ring. Every rank picks the same: the
- * settings are agreed, the topology comes from the same host names. */
+/* Which algorithm reduces `count` elements across the ranks. Deterministic: only the
+ * rank-order ones (one round for small buffers, else even blocks), which give the same
+ * bits at any size. Otherwise hierarchical forced on takes every allreduce (what
+ * Horovod's HOROVOD_HIERARCHICAL_ALLREDUCE=1 means); small buffers go in one round, and
+ * large ones hierarchically where the topology allows and they reach its threshold, else
+ * around the flat ring. Every rank picks the same: the settings are agreed, the topology
+ * comes from the same host names. */
 static rs_status_t allreduce_among_ranks(rs_comm_t *comm, char *buf, size_t count, size_t elem,
                                          rs_reduce_fn fn) {
     size_t bytes = count * elem; /* checked by the caller */
+    size_t small = __atomic_load_n(&comm->small_allreduce_bytes, __ATOMIC_RELAXED);
+    if (comm->deterministic)
+        return bytes <= small ? rs_ordered_one_round(comm, buf, count, elem, fn)
+                              : rs_ordered_allreduce(comm, buf, count, elem, fn);
     int hierarchical = rs_hierarchical_chosen(comm, bytes);
     int forced = hierarchical && comm->hierarchical_mode == RS_HIERARCHICAL_ON;
-    if (!forced && bytes <= __atomic_load_n(&comm->small_allreduce_bytes, __ATOMIC_RELAXED))
-        return direct_allreduce(comm, buf, bytes, count, fn);
+    if (!forced && bytes <= small)
+        return rs_ordered_one_round(comm, buf, count, elem, fn);
     if (hierarchical)
         return rs_hierarchical_allreduce(comm, buf, count, elem, fn);
     rs_group_t all = rs_group_all(comm);
@@ -147,15 +124,20 @@ rs_status_t rs_allreduce(rs_comm_t *comm, const void *sendbuf, void *recvbuf, si
     return rs_finish_scale(comm, recvbuf, count, dtype, op, postscale);
 }
 
-/* The ring reduces in place, and sendbuf is the caller's: it works on a copy. */
+/* The ring reduces in place, and sendbuf is the caller's: it works on a copy. The
+ * deterministic mode exchanges the blocks in one round instead, to fold them in rank
+ * order (ordered.c). */
 static rs_status_t reduce_scatter_copy(rs_comm_t *comm, const void *sendbuf, char *work,
                                        size_t total, const rs_blocks_t *b, size_t elem,
                                        rs_dtype_t dtype, rs_op_t op, double prescale) {
     memcpy(work, sendbuf, total);
     if (prescale != 1.0)
         RS_CHECK(rs_scale(comm, work, total / elem, dtype, prescale));
+    rs_reduce_fn fn = rs_reduce_kernel(dtype, op);
+    if (comm->deterministic)
+        return rs_ordered_reduce_scatter(comm, work, b, elem, fn);
     rs_group_t all = rs_group_all(comm);
-    return rs_ring_reduce_scatter(comm, &all, work, b, elem, rs_reduce_kernel(dtype, op));
+    return rs_ring_reduce_scatter(comm, &all, work, b, elem, fn);
 }
 
 rs_status_t rs_reducescatter(rs_comm_t *comm, const void *sendbuf, void *recvbuf,

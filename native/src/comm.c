@@ -110,6 +110,11 @@ rs_status_t rs_comm_set_hierarchical(rs_comm_t *comm, int mode, size_t min_bytes
     return RS_OK;
 }
 
+rs_status_t rs_comm_set_deterministic(rs_comm_t *comm, int on) {
+    comm->deterministic = on != 0;
+    return RS_OK;
+}
+
 rs_status_t rs_comm_traffic(const rs_comm_t *comm, int64_t *tcp_bytes, int64_t *shm_bytes) {
     if (!tcp_bytes || !shm_bytes)
         return RS_ERR_USAGE; /* (a read-only look at comm: no record to write) */

@@ -46,7 +46,8 @@ struct rs_shm;       /* the shared-memory rings (transport_shm.c) */
 
 /* Who touches what. Set up by the creating thread before an engine exists, then fixed:
  * rank, size, timeouts, job id and secret, host_names, topology, transport_mode,
- * spin_seconds, small_gather_bytes, hierarchical_mode and _min_bytes, count_traffic.
+ * spin_seconds, small_gather_bytes, hierarchical_mode and _min_bytes, deterministic,
+ * count_traffic.
  * small_allreduce_bytes too, except that a tune request (autotune) changes it on the
  * engine thread: stored and read atomically everywhere. The `traffic` counters are added
  * to by whichever thread sends (the engine thread; a lane caller never sends through the
@@ -101,6 +102,7 @@ struct rs_comm {
     rs_topology_t topology;       /* hosts and the hierarchical allreduce's groups */
     int hierarchical_mode;        /* RS_HIERARCHICAL_*: when allreduce goes hierarchical */
     size_t hierarchical_min_bytes; /* auto: from this size on */
+    int deterministic; /* reductions only in rank order (rs_comm_set_deterministic) */
     /* Bytes sent to each peer since connecting (not the setup), by how they went: the
      * first `size` entries through TCP, the next `size` through shared-memory rings. */
     int64_t *traffic;

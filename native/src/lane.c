@@ -636,23 +636,24 @@ static rs_status_t stage_chunk(rs_lane_t *lane, const chunk_t *c, const reductio
     return RS_OK;
 }
 
-/* Step 2: reduce my slice of every rank's post into my output (my own data first, then
- * the others in rank order: each slice has one owner, so every rank ends with the
- * owner's bits), put the result in my slot and say so. */
+/* Step 2: reduce my slice of every rank's post into my output, in rank order (rank 0's
+ * data first, as every other allreduce folds: an element's bits then never depend on
+ * which slice or chunk it fell in, nor on whether it was staged), put the result in my
+ * slot and say so. Each slice has one owner, so every rank ends with the owner's bits.
+ * My own data (prescaled, as the peers' posts are) goes into my slot's slice too, which
+ * is free once every rank has posted this chunk (see stage_next_and_wait), so that each
+ * rank's part is read from its slot. */
 static rs_status_t reduce_my_slice(rs_lane_t *lane, const chunk_t *c, const reduction_t *red,
                                    const waiting_t *w) {
     int me = lane->comm->rank;
     size_t lo, n;
     rs_even_part(c->count, lane->comm->size, me, &lo, &n);
     char *out = c->recv + lo * red->elem;
-    if (out != c->send + lo * red->elem)
-        memcpy(out, c->send + lo * red->elem, n * red->elem);
-    if (red->prescale != 1.0)
-        RS_CHECK(rs_scale(lane->comm, out, n, red->dtype, red->prescale));
     RS_CHECK(wait_for(lane, all_posted, c->seq, w));
-    for (int r = 0; r < lane->comm->size; r++)
-        if (r != me)
-            red->reduce(out, lane->areas[r]->posts[c->seq & 1].data + lo * red->elem, n);
+    RS_CHECK(stage(lane->comm, my_slot(lane, c->seq), c->send, lo, n, red));
+    memcpy(out, lane->areas[0]->posts[c->seq & 1].data + lo * red->elem, n * red->elem);
+    for (int r = 1; r < lane->comm->size; r++)
+        red->reduce(out, lane->areas[r]->posts[c->seq & 1].data + lo * red->elem, n);
     RS_CHECK(rs_finish_scale(lane->comm, out, n, red->dtype, red->op, red->postscale));
     memcpy(my_slot(lane, c->seq) + lo * red->elem, out, n * red->elem);
     publish(lane, &lane->areas[me]->posts[c->seq & 1].reduced, c->seq);
@@ -697,9 +698,9 @@ static chunk_t nth_chunk(const void *sendbuf, void *recvbuf, size_t count, size_
  * this holds while chunk k+1 is cut into the same slices as chunk k-1, i.e. while it is
  * a full chunk. The last, shorter chunk is cut differently, so it is staged only after
  * every rank has reduced its slice of chunk k (which each does after copying out chunk
- * k-1). My reduced slice of chunk k+1 goes into that slot once every rank has posted
- * chunk k+1, after its copy-out of chunk k-1. The `seq` and `reduced` words follow the
- * same order: nobody still waits for the values they replace. */
+ * k-1). My own data of my slice of chunk k+1, then its reduction, go into that slot once
+ * every rank has posted chunk k+1, after its copy-out of chunk k-1. The `seq` and `reduced`
+ * words follow the same order: nobody still waits for the values they replace. */
 static rs_status_t stage_next_and_wait(rs_lane_t *lane, const chunk_t *c, const chunk_t *next,
                                        int early, const reduction_t *red, const waiting_t *w) {
     if (next && early)

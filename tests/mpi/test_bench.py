@@ -16,3 +16,14 @@ def test_bench_reports_ringsync_mpi_gloo_and_waiting_cpu():
     assert "4 KiB |" in out.stdout and "% of a core (MPI:" in out.stdout, out.stdout
     assert "ringsync/copy" in out.stdout and "Goals (this run):" in out.stdout, out.stdout
     assert "] 2 ranks, 4 B: ringsync time <= 1.5x MPI's:" in out.stdout, out.stdout
+
+
+def test_bench_deterministic_compares_both_modes_per_case_and_size():
+    out = subprocess.run([sys.executable, "-m", "ringsync.bench", "--deterministic", "--np", "2",
+                          "--max-size", "4K", "--seconds", "0.05"], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "RINGSYNC_DETERMINISTIC=1 against the default" in out.stdout, out.stdout
+    for case in ("allreduce (one host's paths)", "allreduce (engine: as across hosts)",
+                 "reducescatter"):
+        assert f"{case} |     4 KiB |" in out.stdout, out.stdout
