@@ -146,8 +146,8 @@ void rs_engine_wake(rs_engine_t *e) {
 void rs_engine_request_report(rs_engine_t *e, int reason) {
     pthread_mutex_lock(&e->mu);
     uint64_t known = e->report_wanted > e->report_id ? e->report_wanted : e->report_id;
-    e->report_wanted = known + 1;
     e->report_wanted_reason = reason == RS_REPORT_STALL ? RS_REPORT_STALL : RS_REPORT_REQUEST;
+    __atomic_store_n(&e->report_wanted, known + 1, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&e->mu);
     rs_engine_wake(e);
 }
@@ -341,7 +341,7 @@ static void take_report_snapshot_locked(rs_engine_t *e) {
     e->report_count = count;
     e->report_id = n->report >> 8;
     e->report_reason = (int)(n->report & 0xff);
-    pthread_cond_broadcast(&e->done_cv);
+    pthread_cond_broadcast(&e->report_cv);
 }
 
 /* A hang report that the last round agreed on: take this rank's snapshot. */
@@ -356,12 +356,13 @@ static void take_report_if_asked(rs_engine_t *e) {
 
 /* A report asked for here that no round has carried yet (the negotiator's ask). */
 static int report_to_ask(rs_engine_t *e) {
+    /* (a look without the lock first: the engine loop asks every time round) */
+    if (__atomic_load_n(&e->report_wanted, __ATOMIC_ACQUIRE) <= e->negotiator.report >> 8)
+        return 0;
     pthread_mutex_lock(&e->mu);
     uint64_t wanted = e->report_wanted;
     int reason = e->report_wanted_reason;
     pthread_mutex_unlock(&e->mu);
-    if (wanted <= e->negotiator.report >> 8)
-        return 0;
     e->negotiator.report_ask = wanted << 8 | (uint64_t)reason;
     return 1;
 }
@@ -634,6 +635,7 @@ static void engine_free(rs_engine_t *e) {
     rs_lane_free(e->executor.staged);
     pthread_mutex_destroy(&e->mu);
     pthread_cond_destroy(&e->done_cv);
+    pthread_cond_destroy(&e->report_cv);
     free(e);
 }
 
@@ -647,6 +649,7 @@ static int engine_init(rs_engine_t *e, rs_comm_t *comm, const rs_engine_config_t
     pthread_condattr_init(&attr);
     pthread_condattr_setclock(&attr, CLOCK_MONOTONIC); /* (rs_engine_wait's deadline) */
     pthread_cond_init(&e->done_cv, &attr);
+    pthread_cond_init(&e->report_cv, &attr); /* (its own: completions do not wake it) */
     pthread_condattr_destroy(&attr);
     rs_timeline_init(&e->timeline, comm->rank);
     e->executor = (rs_executor_t){.comm = comm, .fusion_threshold = config->fusion_threshold_bytes,

@@ -94,6 +94,7 @@ struct rs_engine {
     unsigned char *report_submitted;
     int report_count;
     uint64_t report_interrupts; /* rs_engine_interrupt_waits calls: end report waits */
+    pthread_cond_t report_cv;   /* a snapshot was taken, or the waits interrupted */
 };
 
 /* Free a request and what it holds (its result too, unless taken). */

@@ -20,7 +20,7 @@ int rs_engine_wait_events(rs_engine_t *e, rs_wait_event_t *out, int max, uint64_
 
 static struct timespec deadline_after(double seconds) {
     struct timespec until;
-    clock_gettime(CLOCK_MONOTONIC, &until); /* (done_cv's clock) */
+    clock_gettime(CLOCK_MONOTONIC, &until); /* (report_cv's clock) */
     double t = (double)until.tv_sec + until.tv_nsec * 1e-9 + seconds;
     until.tv_sec = (time_t)t;
     until.tv_nsec = (long)((t - (double)until.tv_sec) * 1e9);
@@ -33,7 +33,7 @@ uint64_t rs_engine_wait_report(rs_engine_t *e, uint64_t after, double timeout_se
     pthread_mutex_lock(&e->mu);
     uint64_t interrupts = e->report_interrupts;
     while (e->report_id <= after && e->report_interrupts == interrupts &&
-           pthread_cond_timedwait(&e->done_cv, &e->mu, &until) != ETIMEDOUT) {
+           pthread_cond_timedwait(&e->report_cv, &e->mu, &until) != ETIMEDOUT) {
     }
     uint64_t id = e->report_id > after ? e->report_id : 0;
     *reason = e->report_reason;
@@ -44,7 +44,7 @@ uint64_t rs_engine_wait_report(rs_engine_t *e, uint64_t after, double timeout_se
 void rs_engine_interrupt_waits(rs_engine_t *e) {
     pthread_mutex_lock(&e->mu);
     e->report_interrupts++;
-    pthread_cond_broadcast(&e->done_cv);
+    pthread_cond_broadcast(&e->report_cv);
     pthread_mutex_unlock(&e->mu);
 }
 

@@ -36,7 +36,9 @@ uint64_t rs_flight_begin(rs_flight_t *f, const char *name, const rs_meta_t *meta
     rs_flight_record_t *r = &f->ring[seq % (uint64_t)f->capacity];
     r->seq = seq;
     /* (a long name is cut alike on every rank: the records still compare) */
-    snprintf(r->name, sizeof r->name, "%s", name);
+    size_t n = strnlen(name, sizeof r->name - 1);
+    memcpy(r->name, name, n);
+    r->name[n] = '\0';
     r->kind = meta->kind;
     r->dtype = meta->dtype;
     r->op = meta->op;
