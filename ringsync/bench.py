@@ -215,13 +215,15 @@ def engine_figures(rs, comm, seconds):
 
 
 STEP_TENSORS = 20  # a small model's gradients, one training step's allreduces
+INSIGHT_ROUNDS = 4
 
 
 def insight_figures(comm, seconds) -> dict:
     """What keeping the flight recorder and the straggler events costs: a step of
-    STEP_TENSORS 4 KiB asynchronous allreduces and a 4-byte blocking allreduce, timed in
-    turn on a ring that keeps them (the default) and on one that keeps none
-    (RINGSYNC_FLIGHT_RECORDER_SIZE=0)."""
+    STEP_TENSORS 4 KiB asynchronous allreduces and a 4-byte blocking allreduce on a ring
+    that keeps them (the default) and on one that keeps none
+    (RINGSYNC_FLIGHT_RECORDER_SIZE=0), both alive, timed in alternation INSIGHT_ROUNDS
+    times (the medians: the two differ by less than a shared host's drift)."""
     import dataclasses
 
     import numpy as np
@@ -233,20 +235,26 @@ def insight_figures(comm, seconds) -> dict:
     names = [f"bench.step.{i}" for i in range(STEP_TENSORS)]
     tiny = np.ones(1, np.float32)
     config = Config.from_env()
-    figures = {}
-    for label, size in (("with", config.flight_recorder_size or 512), ("without", 0)):
-        ring = Communicator(comm, config=dataclasses.replace(config, flight_recorder_size=size))
+    rings = {label: Communicator(comm, config=dataclasses.replace(
+        config, flight_recorder_size=size)) for label, size in
+        (("with", config.flight_recorder_size or 512), ("without", 0))}
 
-        def step():
-            handles = [ring.allreduce_async_(g, op=ReduceOp.SUM, name=n)
-                       for g, n in zip(grads, names)]
-            for h in handles:
-                ring.synchronize(h)
-        figures[f"step_{label}_records"] = _time_calls(step, seconds, comm)
-        figures[f"tiny_{label}_records"] = _time_calls(
-            lambda: ring.allreduce_(tiny, op=ReduceOp.SUM, name="bench.tiny"), seconds, comm)
+    def step(ring):
+        handles = [ring.allreduce_async_(g, op=ReduceOp.SUM, name=n) for g, n in zip(grads, names)]
+        for h in handles:
+            ring.synchronize(h)
+    times = {}
+    for round_ in range(INSIGHT_ROUNDS):
+        for label in (("with", "without") if round_ % 2 else ("without", "with")):
+            ring = rings[label]
+            times.setdefault(f"step_{label}_records", []).append(
+                _time_calls(lambda: step(ring), seconds / 2, comm))
+            times.setdefault(f"tiny_{label}_records", []).append(_time_calls(
+                lambda: ring.allreduce_(tiny, op=ReduceOp.SUM, name="bench.tiny"),
+                seconds / 2, comm))
+    for ring in rings.values():
         ring.shutdown()
-    return figures
+    return {key: float(np.median(values)) for key, values in times.items()}
 
 
 WAIT_SECONDS = 2.0

@@ -16,6 +16,7 @@ def test_bench_reports_ringsync_mpi_gloo_and_waiting_cpu():
     assert "4 KiB |" in out.stdout and "% of a core (MPI:" in out.stdout, out.stdout
     assert "ringsync/copy" in out.stdout and "Goals (this run):" in out.stdout, out.stdout
     assert "] 2 ranks, 4 B: ringsync time <= 1.5x MPI's:" in out.stdout, out.stdout
+    assert "flight recorder and straggler events: a step of 20 x 4 KiB" in out.stdout, out.stdout
 
 
 def test_bench_deterministic_compares_both_modes_per_case_and_size():
