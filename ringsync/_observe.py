@@ -363,7 +363,8 @@ def install_report_signal(request) -> None:
     if threading.current_thread() is not threading.main_thread():
         return
     try:
-        if signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):
+        # (ignored: as `ringsync run` starts its ranks, until now)
+        if signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, signal.SIG_IGN, None):
             signal.signal(signal.SIGUSR1, lambda *_: request())
     except (ValueError, OSError, AttributeError):
         pass

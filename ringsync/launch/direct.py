@@ -77,6 +77,7 @@ class DirectJob:
     def __init__(self, options: RunOptions, status_dir: str, diagnostics=None):
         self.options, self.status_dir = options, status_dir
         self.diagnostics = diagnostics  # launch.diagnostics.JobDiagnostics, or None
+        self.death_signal = process.death_signal_setter(signal.SIGTERM)
         self.remote = options.launcher == "ssh"
         self.places = slots_of(options.hosts if self.remote else None, options.np)
         self.secret = secrets.token_hex(32)
@@ -156,7 +157,7 @@ class DirectJob:
         proc = subprocess.Popen(argv, env=env, start_new_session=True,
                                 stdin=subprocess.PIPE if self.remote else subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                preexec_fn=process.death_signal_setter(signal.SIGTERM))
+                                preexec_fn=self.rank_preexec)
         if self.remote:
             proc.stdin.write(self.secret.encode() + b"\n")
             proc.stdin.close()
@@ -166,6 +167,14 @@ class DirectJob:
             pump.start()
             self.pumps.append(pump)
         return started
+
+    def rank_preexec(self) -> None:
+        """In each rank before exec: it dies with the launcher, and ignores SIGUSR1 (a hang
+        report's request) until ringsync.init() takes it over, so that a rank still
+        importing does not die of it (an ignored signal stays ignored across exec)."""
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        if self.death_signal is not None:
+            self.death_signal()
 
     def pump(self, label: int, source, stream: str) -> None:
         console = getattr(getattr(sys, stream), "buffer", None) or sys.stdout.buffer

@@ -18,6 +18,7 @@ no option for them).
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from ringsync.errors import LauncherError
@@ -80,6 +81,10 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.update(rank_variables(os.environ, master))
     except LauncherError as exc:
         sys.exit(f"ringsync.launch.rank_env: {exc}")
+    # SIGUSR1 asks the ranks for a hang report (ringsync run passes it on, also at the
+    # first Ctrl-C): ignored until init() takes it over, so that a rank still importing
+    # does not die of it (an ignored signal stays ignored across exec).
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
         os.execvp(program[0], program)
     except OSError as exc:  # the program could not be started: a shell's statuses
