@@ -14,7 +14,6 @@ import tempfile
 import threading
 import time
 
-import numpy as np
 
 from ._arrays import DTYPE_CODES
 from ._native import ffi, lib
@@ -95,33 +94,56 @@ def write_json(path: str, document: dict) -> None:
     os.replace(temporary, path)
 
 
-def _percentiles(values: np.ndarray) -> tuple:
-    return float(values.mean()), float(np.percentile(values, 50)), float(np.percentile(values, 95))
+STRAGGLER_EVENTS = 8192  # what the engine keeps (engine.c STRAGGLER_EVENTS)
+
+
+def _sparse_stats(nonzero: list, window: int) -> tuple:
+    """(mean, p50, p95) of `window` values of which all but `nonzero` are 0, without
+    building the vector (numpy's linear interpolation between order statistics)."""
+    ordered = sorted(nonzero)
+    zeros = window - len(ordered)
+
+    def at(index: int) -> float:
+        return 0.0 if index < zeros else ordered[index - zeros]
+
+    def percentile(p: float) -> float:
+        position = p / 100 * (window - 1)
+        low = int(position)
+        high = min(low + 1, window - 1)
+        return at(low) + (at(high) - at(low)) * (position - low)
+    return sum(ordered) / window, percentile(50), percentile(95)
+
+
+def _kept_events(engine):
+    """(events, rounds counted) the engine keeps; the window may not reach back past the
+    oldest kept round once the ring of events has wrapped (its earlier events are gone)."""
+    events = ffi.new("rs_wait_event_t[]", STRAGGLER_EVENTS)
+    rounds = ffi.new("uint64_t *")
+    n = lib.rs_engine_wait_events(engine, events, STRAGGLER_EVENTS, rounds) \
+        if engine != ffi.NULL else 0
+    oldest = int(events[0].round) + 1 if n == STRAGGLER_EVENTS else 1
+    return [events[i] for i in range(n)], int(rounds[0]), oldest
 
 
 def straggler_report(engine, host_names, last: int = 200) -> list:
     """Per rank, the wait it caused the others over the last `last` negotiation rounds
-    that ran collectives: mean, median and 95th percentile per round (ms), how many of
-    those rounds it came last in, and its host."""
+    that ran collectives (fewer where the engine has not run or kept that many): mean,
+    median and 95th percentile per round (ms), how many of those rounds it came last in,
+    and its host."""
     size = len(host_names)
-    events = ffi.new("rs_wait_event_t[]", 8192)
-    rounds = ffi.new("uint64_t *")
-    n = lib.rs_engine_wait_events(engine, events, 8192, rounds) if engine != ffi.NULL else 0
-    window = int(min(last, rounds[0]))
-    first = int(rounds[0]) - window + 1
-    waits = {}  # only ranks that caused a wait get a vector
-    for i in range(n):
-        e = events[i]
+    events, rounds, oldest = _kept_events(engine)
+    first = max(rounds - last + 1, oldest, 1)
+    window = max(rounds - first + 1, 0)
+    waits = {}  # rank -> the waits it caused (rounds without one count as 0)
+    for e in events:
         if e.round >= first and 0 <= e.rank < size:
-            waits.setdefault(e.rank, np.zeros(max(window, 1)))[e.round - first] = \
-                e.wait_seconds * 1e3
+            waits.setdefault(e.rank, []).append(e.wait_seconds * 1e3)
     report = []
     for r in range(size):
-        vector = waits.get(r)
-        mean, p50, p95 = _percentiles(vector) if vector is not None else (0.0, 0.0, 0.0)
+        caused = waits.get(r, [])
+        mean, p50, p95 = _sparse_stats(caused, window) if window else (0.0, 0.0, 0.0)
         report.append({"rank": r, "host": host_names[r], "mean_ms": mean, "p50_ms": p50,
-                       "p95_ms": p95, "rounds_last": int(np.count_nonzero(vector))
-                       if vector is not None else 0, "rounds": window})
+                       "p95_ms": p95, "rounds_last": len(caused), "rounds": window})
     return report
 
 
@@ -315,6 +337,13 @@ class Observer:
             print(line, file=sys.stderr, flush=True)
 
     def _answer_report(self, report: int, reason: str):
+        try:
+            self._write_part(report, reason)
+        except Exception as e:  # (a report must never end the rank; say why it is missing)
+            print(f"ringsync: rank {self.ring.rank}: no part of hang report {report}: "
+                  f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+
+    def _write_part(self, report: int, reason: str):
         ring = self.ring
         part = {"format": "ringsync-hang-report", "version": FORMAT_VERSION, "report": report,
                 "reason": reason, "rank": ring.rank, "size": ring.size,

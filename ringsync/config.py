@@ -189,7 +189,7 @@ class Config:
         help="1 marks the start of each of the engine's negotiation rounds (`CYCLE_START`) "
              "in the timeline")
     flight_recorder_size: int = _setting(
-        512, "RINGSYNC_FLIGHT_RECORDER_SIZE", unit="collectives", maximum=1 << 20,
+        512, "RINGSYNC_FLIGHT_RECORDER_SIZE", unit="collectives", maximum=1 << 16,
         zero="none kept, nor straggler events",
         help="the flight recorder: each rank keeps its last collectives (name, kind, dtype, "
              "shape, times, outcome) in memory; see [When a job hangs or crawls]"

@@ -180,3 +180,14 @@ def test_the_timeline_has_a_counter_of_who_kept_the_others_waiting(tmp_path):
     events = json.loads(path.read_text())["traceEvents"]
     counters = [e for e in events if e.get("ph") == "C"]
     assert counters and all(set(e["args"]) == {"rank 1"} for e in counters), counters
+
+
+def test_straggler_statistics_are_numpys_over_the_whole_window():
+    from ringsync._observe import _sparse_stats
+    rng = np.random.default_rng(7)
+    for window in (1, 2, 5, 200):
+        for count in {0, 1, window // 2, window}:
+            caused = list(rng.uniform(0.1, 50.0, count))
+            vector = np.array([0.0] * (window - count) + caused)
+            expected = (vector.mean(), np.percentile(vector, 50), np.percentile(vector, 95))
+            assert np.allclose(_sparse_stats(caused, window), expected), (window, count)
