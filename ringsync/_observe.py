@@ -397,3 +397,60 @@ def install_report_signal(request) -> None:
             signal.signal(signal.SIGUSR1, lambda *_: request())
     except (ValueError, OSError, AttributeError):
         pass
+
+
+class TerminationRecords:
+    """SIGTERM (a scheduler's time limit, `kill`, a launcher ending the job) leaves the
+    flight records of the job's ring, then ends the process as SIGTERM would.
+
+    Python runs a signal's handler only on the main thread, once it runs Python again:
+    a rank blocked in a native wait would not. So the signal's wake-up byte
+    (signal.set_wakeup_fd, written at once by Python's C-level handler) also wakes a
+    thread of ours, which writes the records and ends the process (exit status 128 +
+    SIGTERM, as a shell reports a death by it: a thread cannot restore the default action).
+    Installed only on the main thread, where neither SIGTERM nor the wake-up fd is taken."""
+
+    def __init__(self, leave_records):
+        self._leave_records = leave_records  # leave_records(why): the job's ring's writer
+        self._once = threading.Lock()
+        self._read_fd = -1
+
+    def install(self) -> bool:
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return False  # (the program's own handler decides)
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        if signal.set_wakeup_fd(write_fd) != -1:  # (taken: asyncio's, the program's)
+            signal.set_wakeup_fd(-1)
+            os.close(read_fd)
+            os.close(write_fd)
+            return False
+        self._read_fd = read_fd
+        signal.signal(signal.SIGTERM, self._on_main_thread)
+        threading.Thread(target=self._watch, name="ringsync-sigterm", daemon=True).start()
+        return True
+
+    def _watch(self):
+        while True:
+            data = os.read(self._read_fd, 64)
+            if not data:
+                return
+            if signal.SIGTERM in data:
+                self._end(exit_thread=True)
+
+    def _on_main_thread(self, signum, frame):
+        self._end(exit_thread=False)
+
+    def _end(self, exit_thread: bool):
+        if not self._once.acquire(blocking=False):
+            return  # (the other path is writing; it ends the process)
+        try:
+            self._leave_records("terminated by SIGTERM")
+        except Exception:
+            pass  # (ending is what SIGTERM asked for)
+        if exit_thread:
+            os._exit(128 + signal.SIGTERM)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)

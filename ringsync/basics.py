@@ -106,6 +106,8 @@ def start(comm, own_comm: bool, survivor: bool = False, rendezvous=None) -> Comm
     if JOB.default.size() > 1:
         _install_die_hard_excepthook()
         _observe.install_report_signal(request_hang_report)
+        if JOB.default.config.flight_recorder_dir:
+            _observe.TerminationRecords(_leave_flight_records).install()
     atexit.unregister(shutdown)  # once, however often the ring is rebuilt
     atexit.register(shutdown)
     return JOB.default
@@ -192,6 +194,13 @@ def cross_rank() -> int:
 
 def cross_size() -> int:
     return resolve().cross_size()
+
+
+def _leave_flight_records(why: str) -> None:
+    """The job's ring's flight records, where RINGSYNC_FLIGHT_RECORDER_DIR says."""
+    comm = default()
+    if comm is not None:
+        comm._leave_flight_records(why)
 
 
 def straggler_report(last=200, process_set=None):

@@ -197,8 +197,8 @@ class Config:
     flight_recorder_dir: Optional[str] = _setting(
         None, "RINGSYNC_FLIGHT_RECORDER_DIR", unit="directory", default_text="(not written)",
         help="where each rank writes its flight records (`rank-R.json`) when a collective "
-             "fails, times out or is aborted; `ringsync trace DIR` says where the ranks "
-             "diverged. `ringsync run` sets one for its job")
+             "fails, times out or is aborted, or the rank gets SIGTERM; `ringsync trace DIR` "
+             "says where the ranks diverged. `ringsync run` sets one for its job")
     hang_report_dir: Optional[str] = _setting(
         None, "RINGSYNC_HANG_REPORT_DIR", unit="directory",
         default_text="(`ringsync-hang-<job>` in the temporary directory)",

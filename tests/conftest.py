@@ -128,6 +128,7 @@ SLOW_MPIRUN = [
     "tests/mpi/test_job_insight.py::test_a_slow_rank_*",
     "tests/mpi/test_job_insight.py::test_*_under_ringsync_run",
     "tests/mpi/test_job_insight.py::test_the_first_ctrl_c_*",
+    "tests/mpi/test_job_insight.py::test_sigterm_*",
     "tests/mpi/test_job_insight.py::test_a_killed_rank_*",
     "tests/mpi/test_job_insight.py::test_a_mismatched_collective_*",
 ]

@@ -79,9 +79,10 @@ def test_a_skipped_tensor_is_named_in_one_report_under_ringsync_run(tmp_path):
     check_skip_report(output)
 
 
-def test_the_first_ctrl_c_prints_a_hang_report_then_ends_the_job():
-    command, env = ringsync_run("--launcher", "local", "-np", "3",
-                                env={"RINGSYNC_STALL_CHECK_SECONDS": "0"})
+def signal_hung_job(signum, env_extra):
+    """(exit status, output) of `ringsync run ... hang` sent signum once every rank has
+    made its first step (rank 2 is then in evaluate(), the others wait for it)."""
+    command, env = ringsync_run("--launcher", "local", "-np", "3", env=env_extra)
     job = subprocess.Popen(command + ["hang"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines, stepped = [], threading.Event()
@@ -96,16 +97,31 @@ def test_the_first_ctrl_c_prints_a_hang_report_then_ends_the_job():
     try:
         assert stepped.wait(DEADLINE_S), "".join(lines)
         time.sleep(0.5)  # (ranks 0 and 1 are in their allreduce by now, or soon are)
-        job.send_signal(signal.SIGINT)
+        job.send_signal(signum)
         status = job.wait(DEADLINE_S)
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
     reader.join(5)
-    output = "".join(lines)
+    return status, "".join(lines)
+
+
+def test_the_first_ctrl_c_prints_a_hang_report_then_ends_the_job():
+    status, output = signal_hung_job(signal.SIGINT, {"RINGSYNC_STALL_CHECK_SECONDS": "0"})
     assert status != 0, output
     assert "ringsync hang report 1 (request)" in output, output
     assert re.search(r"rank 2 \(host \S+\) is in evaluate\(\)", output), output
+
+
+def test_sigterm_leaves_flight_records_that_name_the_missing_rank(tmp_path, capsys):
+    status, output = signal_hung_job(signal.SIGTERM, {
+        "RINGSYNC_STALL_CHECK_SECONDS": "0", "RINGSYNC_FLIGHT_RECORDER_DIR": str(tmp_path)})
+    assert status != 0, output
+    assert sorted(os.listdir(tmp_path)) == ["rank-0.json", "rank-1.json", "rank-2.json"], output
+    text = cli_text(capsys, "trace", str(tmp_path))
+    assert text.startswith("rank 2 did not issue allreduce 'grad.fc2.weight' (ranks 0, 1 did)"), \
+        text
+    assert text.count("terminated by SIGTERM") == 3, text
 
 
 def test_a_killed_rank_is_named_from_the_flight_records(tmp_path, capsys):
