@@ -392,8 +392,10 @@ def install_report_signal(request) -> None:
     if threading.current_thread() is not threading.main_thread():
         return
     try:
-        # (ignored: as `ringsync run` starts its ranks, until now)
-        if signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, signal.SIG_IGN, None):
+        # (ignored: as `ringsync run` starts its ranks, until now; a C handler, such as
+        # faulthandler's stack dumps, is invisible to getsignal: the process is asked)
+        if signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, signal.SIG_IGN, None) and \
+                lib.rs_signal_unclaimed(signal.SIGUSR1):
             signal.signal(signal.SIGUSR1, lambda *_: request())
     except (ValueError, OSError, AttributeError):
         pass
@@ -418,7 +420,8 @@ class TerminationRecords:
     def install(self) -> bool:
         if threading.current_thread() is not threading.main_thread():
             return False
-        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL or \
+                not lib.rs_signal_unclaimed(signal.SIGTERM):
             return False  # (the program's own handler decides)
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)

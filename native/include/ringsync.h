@@ -339,11 +339,15 @@ int rs_engine_wait_events(rs_engine_t *engine, rs_wait_event_t *out, int max,
  * where rs_engine_config_t.report_on_stall is set), 2 a request. */
 enum { RS_REPORT_STALL = 1, RS_REPORT_REQUEST = 2 };
 void rs_engine_request_report(rs_engine_t *engine, int reason);
-/* Wait until a report newer than `after` has been taken (up to timeout_seconds, or until
- * rs_engine_interrupt_waits); returns its id (0 otherwise) and its reason. */
+/* Wait until a report newer than `after` has been taken (up to timeout_seconds); returns
+ * its id (0 otherwise) and its reason. Once rs_engine_interrupt_waits was called (before
+ * the engine is destroyed), every wait, now or later, returns at once. */
 uint64_t rs_engine_wait_report(rs_engine_t *engine, uint64_t after, double timeout_seconds,
                                int *reason);
 void rs_engine_interrupt_waits(rs_engine_t *engine);
+/* 1 when signal signum's action in this process is the default or ignore: no handler
+ * (Python's, or a C one such as faulthandler's, which Python cannot see) has it. */
+int rs_signal_unclaimed(int signum);
 /* One tensor of the latest snapshot: submitted[rank] (size entries per tensor, in the
  * caller's array) says who has submitted it; mine: this rank has. */
 typedef struct {

@@ -93,7 +93,7 @@ struct rs_engine {
     rs_pending_info_t *report_items;
     unsigned char *report_submitted;
     int report_count;
-    uint64_t report_interrupts; /* rs_engine_interrupt_waits calls: end report waits */
+    int report_waits_closed;    /* rs_engine_interrupt_waits: no report wait waits any more */
     pthread_cond_t report_cv;   /* a snapshot was taken, or the waits interrupted */
 };
 

@@ -31,8 +31,9 @@ uint64_t rs_engine_wait_report(rs_engine_t *e, uint64_t after, double timeout_se
                                int *reason) {
     struct timespec until = deadline_after(timeout_seconds);
     pthread_mutex_lock(&e->mu);
-    uint64_t interrupts = e->report_interrupts;
-    while (e->report_id <= after && e->report_interrupts == interrupts &&
+    /* (closed for good, not for the waits of the moment: a waiter that comes after
+     * rs_engine_interrupt_waits must not wait either, or its thread is never joined) */
+    while (e->report_id <= after && !e->report_waits_closed &&
            pthread_cond_timedwait(&e->report_cv, &e->mu, &until) != ETIMEDOUT) {
     }
     uint64_t id = e->report_id > after ? e->report_id : 0;
@@ -43,7 +44,7 @@ uint64_t rs_engine_wait_report(rs_engine_t *e, uint64_t after, double timeout_se
 
 void rs_engine_interrupt_waits(rs_engine_t *e) {
     pthread_mutex_lock(&e->mu);
-    e->report_interrupts++;
+    e->report_waits_closed = 1;
     pthread_cond_broadcast(&e->report_cv);
     pthread_mutex_unlock(&e->mu);
 }

@@ -1,6 +1,7 @@
 /* Utilities at the bottom of the native core (see util.h). */
 #define _GNU_SOURCE
 #include <stdarg.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -146,4 +147,12 @@ void rs_even_part(size_t count, int parts, int part, size_t *offset, size_t *len
     size_t base = count / (size_t)parts, extra = count % (size_t)parts, p = (size_t)part;
     *offset = p * base + (p < extra ? p : extra);
     *length = base + (p < extra);
+}
+
+int rs_signal_unclaimed(int signum) {
+    struct sigaction now;
+    if (sigaction(signum, NULL, &now) != 0)
+        return 0;
+    return !(now.sa_flags & SA_SIGINFO) &&
+           (now.sa_handler == SIG_DFL || now.sa_handler == SIG_IGN);
 }

@@ -12,7 +12,7 @@ import pytest
 
 from ringsync import MismatchError
 from ringsync.diagnose import describe_divergence, load_flight_records, load_hang_parts
-from tests.thread_ranks import assert_ranks_ok
+from tests.thread_ranks import assert_ok, assert_ranks_ok
 
 NAMES = ["grad.a", "grad.b", "grad.c"]
 
@@ -191,3 +191,44 @@ def test_straggler_statistics_are_numpys_over_the_whole_window():
             vector = np.array([0.0] * (window - count) + caused)
             expected = (vector.mean(), np.percentile(vector, 50), np.percentile(vector, 95))
             assert np.allclose(_sparse_stats(caused, window), expected), (window, count)
+
+
+def test_a_report_wait_that_begins_after_the_interrupt_does_not_wait():
+    """The observer thread may not have begun to wait when the ring stops it (a ring shut
+    down right after init, on a loaded host): its wait must end at once then too, or
+    shutdown() joins it for ever (seen as a hung rank in the suite)."""
+    import threading
+
+    from ringsync._native import ffi, lib
+
+    def body(comm):
+        engine = comm._ring.engine
+        lib.rs_engine_interrupt_waits(engine)
+        result = []
+        waiter = threading.Thread(target=lambda: result.append(
+            lib.rs_engine_wait_report(engine, 0, 3600.0, ffi.new("int *"))))
+        waiter.start()
+        waiter.join(30)  # (a deadline: the wait is for an hour when it is wrong)
+        assert not waiter.is_alive() and result == [0], "the wait did not end"
+    assert_ranks_ok(body, 2, timeout=60)
+
+
+def test_hang_reports_leave_a_c_handler_of_sigusr1_alone():
+    """faulthandler's stack dumps on SIGUSR1 (the test harness's, or a user's) are a C
+    handler that signal.getsignal cannot see: init() must not take the signal over."""
+    import faulthandler
+    import signal
+    import subprocess
+    import sys
+    code = ("import faulthandler, signal, sys\n"
+            "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+            "from ringsync import _observe\n"
+            "_observe.install_report_signal(lambda: None)\n"
+            "print(signal.getsignal(signal.SIGUSR1))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "lambda" not in out.stdout, out
+    code = code.replace("faulthandler.register(signal.SIGUSR1, all_threads=True)\n", "")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "lambda" in out.stdout, out
