@@ -263,11 +263,11 @@ def pending_snapshot(engine, size: int) -> list:
     n = lib.rs_engine_report_pending(engine, items, flags, capacity, total)
     pending = []
     for i in range(n):
-        submitted = [r for r in range(size) if flags[i * size + r]]
+        row = bytes(ffi.buffer(flags + i * size, size))
         pending.append({"name": ffi.string(items[i].name).decode("utf-8", "replace"),
                         "kind": _KIND_NAMES.get(items[i].kind, str(items[i].kind)),
-                        "set": 0, "submitted": submitted,
-                        "missing": [r for r in range(size) if r not in set(submitted)],
+                        "set": 0, "submitted": [r for r in range(size) if row[r]],
+                        "missing": [r for r in range(size) if not row[r]],
                         "waited": round(items[i].waited_seconds, 3),
                         "mine": bool(items[i].mine)})
     return pending
