@@ -16,6 +16,7 @@ import time
 
 
 from ._arrays import DTYPE_CODES
+from ._atomic import write_atomically
 from ._native import ffi, lib
 from .errors import UsageError
 from .ops import ReduceOp
@@ -88,10 +89,7 @@ def leave_flight_records(ring, why: str, rank: int) -> None:
 def write_json(path: str, document: dict) -> None:
     """Whole or not at all (a reader never sees half a file); the directory is made."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-    with open(temporary, "w") as f:
-        json.dump(document, f, indent=1)
-    os.replace(temporary, path)
+    write_atomically(path, json.dumps(document, indent=1).encode())
 
 
 STRAGGLER_EVENTS = 8192  # what the engine keeps (engine.c STRAGGLER_EVENTS)
@@ -366,12 +364,10 @@ class Observer:
     def _print_merged(self, report: int, patience: float = 3.0):
         """Rank 0 without a launcher that merges: the table, once every part is there (or
         after `patience` seconds, with what came; on other hosts parts stay there)."""
-        from .diagnose.hang import format_hang_report, load_hang_parts
+        from .diagnose.hang import count_hang_parts, format_hang_report, load_hang_parts
         deadline = time.monotonic() + patience
         while time.monotonic() < deadline and not self._stopped:
-            found = [n for n in os.listdir(self.report_dir)
-                     if n.startswith(f"hang-{report}-rank-") and n.endswith(".json")]
-            if len(found) >= self.ring.size:
+            if count_hang_parts(self.report_dir).get(report, 0) >= self.ring.size:
                 break
             time.sleep(0.1)
         try:

@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 
+from ringsync._atomic import write_atomically
 from ringsync.errors import CheckpointError
 from ringsync.objects import allgather_object
 
@@ -213,22 +214,6 @@ def _write_part(folder, rank, size, parts, write):
 
 def _part_name(rank, size):
     return f"rank-{rank}-of-{size}.pt"
-
-
-def write_atomically(path, data):
-    """Write data to a temporary name, fsync it, rename it to path, fsync the folder: path
-    then holds either its old content or all of data, whatever happens meanwhile."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    folder = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-    try:
-        os.fsync(folder)
-    finally:
-        os.close(folder)
 
 
 def _remove_other_generations(path, keep):

@@ -10,8 +10,8 @@ on any machine (standard library only; the native core need not be built).
 This module only hands names on.
 """
 
-from ringsync.diagnose.hang import format_hang_report, load_hang_parts
+from ringsync.diagnose.hang import count_hang_parts, format_hang_report, load_hang_parts
 from ringsync.diagnose.trace import describe_divergence, load_flight_records
 
-__all__ = ["describe_divergence", "format_hang_report", "load_flight_records",
+__all__ = ["count_hang_parts", "describe_divergence", "format_hang_report", "load_flight_records",
            "load_hang_parts"]

@@ -10,6 +10,7 @@ Rank lists here are written as ranges ("0-6", "4-5"): hang reports come from big
 
 from __future__ import annotations
 
+import os
 import re
 
 from ringsync.diagnose.trace import (group_ranks, has_type, job_size, label, list_problem,
@@ -24,6 +25,22 @@ FRAME_FIELDS = (("file", str), ("line", int), ("function", str))
 
 
 # ---------------------------------------------------------------- reading parts
+
+def count_hang_parts(directory) -> dict:
+    """{report id: parts present} in directory, by their names alone (nothing is read: for
+    whoever waits until a report's parts are in); {} where it cannot be listed."""
+    counts = {}
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return counts
+    for name in names:
+        match = HANG_FILE.fullmatch(name)
+        if match:
+            report = int(match.group("report"))
+            counts[report] = counts.get(report, 0) + 1
+    return counts
+
 
 def load_hang_parts(directory, report=None) -> tuple:
     """(report id, {rank: its part}) of report `report`, or of the latest one in

@@ -14,8 +14,8 @@ import tempfile
 import threading
 import time
 
-from ringsync.diagnose import (describe_divergence, format_hang_report, load_flight_records,
-                               load_hang_parts)
+from ringsync.diagnose import (count_hang_parts, describe_divergence, format_hang_report,
+                               load_flight_records, load_hang_parts)
 
 POLL_S = 0.2
 PATIENCE_S = 3.0  # how long a report waits for its last parts once the first came
@@ -84,23 +84,9 @@ class JobDiagnostics:
         while not self._stop.wait(POLL_S):
             self._print_ready_reports()
 
-    def _report_ids(self) -> dict:
-        """{report id: parts present} in the report directory."""
-        ids = {}
-        try:
-            names = os.listdir(self.report_dir)
-        except OSError:
-            return ids
-        for name in names:
-            if name.startswith("hang-") and name.endswith(".json") and "-rank-" in name:
-                head = name[len("hang-"):name.index("-rank-")]
-                if head.isdigit():
-                    ids[int(head)] = ids.get(int(head), 0) + 1
-        return ids
-
     def _print_ready_reports(self, final: bool = False) -> None:
         now = time.monotonic()
-        for report, parts in sorted(self._report_ids().items()):
+        for report, parts in sorted(count_hang_parts(self.report_dir).items()):
             if report in self._printed:
                 continue
             first = self._first_seen.setdefault(report, now)

@@ -351,3 +351,12 @@ def test_the_readers_import_nothing_but_the_standard_library_and_themselves():
     foreign = {name for name in imported if not name.startswith("ringsync.diagnose")
                and name.split(".")[0] not in sys.stdlib_module_names}
     assert not foreign
+
+
+def test_count_hang_parts_counts_each_reports_parts_by_name(tmp_path):
+    from ringsync.diagnose import count_hang_parts
+    for name in ["hang-1-rank-0.json", "hang-1-rank-1.json", "hang-2-rank-0.json",
+                 "hang-2-rank-0.json.tmp-9", "rank-0.json", "hang-x-rank-0.json"]:
+        (tmp_path / name).write_text("{}")
+    assert count_hang_parts(str(tmp_path)) == {1: 2, 2: 1}
+    assert count_hang_parts(str(tmp_path / "missing")) == {}
