@@ -105,6 +105,7 @@ SLOW_MPIRUN = [
     "tests/faults/test_killed_rank.py::test_plain_mpirun_ends_the_job_when_a_rank_is_killed",
     "tests/faults/test_killed_rank.py::test_killed_rank_fails_pending_handles[*",
     "tests/faults/test_killed_rank.py::test_a_slow_peer_times_out_instead_of_hanging",
+    "tests/faults/test_chaos.py::test_chaos_runs_end_finished_or_in_a_clean_error",
     "tests/faults/test_launcher_signals.py::*[SIGQUIT]",
     "tests/faults/test_launcher_signals.py::test_ctrl_z_*",
     "tests/faults/test_launcher_signals.py::test_killing_a_stopped_launcher_ends_the_stopped_job",
