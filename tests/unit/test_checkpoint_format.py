@@ -345,11 +345,19 @@ def test_damage_only_one_rank_sees_fails_on_every_rank_with_one_message(saved, t
     assert message.endswith("(on rank 1)"), message
 
 
-def test_a_step_that_fails_on_one_rank_fails_on_every_rank():
+@pytest.mark.parametrize("error,text", [
+    (ValueError("this model does not fit"), "ringsync.checkpoint: the checkpoint does not "
+                                            "load here: ValueError: this model does not fit"),
+    (CheckpointError("ringsync.checkpoint: the saved model has no 'l3.weight'"),
+     "ringsync.checkpoint: the saved model has no 'l3.weight'")], ids=["ValueError",
+                                                                        "CheckpointError"])
+def test_a_step_that_fails_on_one_rank_fails_on_every_rank(error, text):
+    """What glue does with a checked Reader (copy it into a model) fails on rank 1 only:
+    both ranks raise the same CheckpointError; when it works, each rank gets its value."""
     def body(comm):
         def apply():
             if comm.rank() == 1:
-                raise ValueError("this model does not fit")
+                raise error
             return "loaded"
         try:
             agreed(apply, comm)
@@ -357,8 +365,7 @@ def test_a_step_that_fails_on_one_rank_fails_on_every_rank():
             return str(e)
         raise AssertionError("returned normally while rank 1 failed")
     messages = _on_ranks(body)
-    assert messages == ["ringsync.checkpoint: the checkpoint does not load here: ValueError: "
-                        "this model does not fit (on rank 1)"] * 2, messages
+    assert messages == [f"{text} (on rank 1)"] * 2, messages
     assert _on_ranks(lambda comm: agreed(lambda: comm.rank(), comm)) == [0, 1]
 
 
