@@ -240,7 +240,7 @@ def test_a_part_that_is_not_the_one_expected_is_named_by_what_it_holds(saved, fo
 def _meta_edit(**changes):
     def edit(path):
         _edit_json(os.path.join(path, META), **changes)
-    edit.__name__ = ",".join(f"{k}={v!r}" for k, v in changes.items())
+    edit.__name__ = ",".join(f"{k}={v!r:.24}" for k, v in changes.items())
     return edit
 
 
