@@ -20,7 +20,7 @@ import numpy as np
 
 from ringsync._context import resolve
 from ringsync._requests import even_split
-from ringsync.checkpoint import CheckpointError, Codec, Parts, open_checkpoint, \
+from ringsync.checkpoint import CheckpointError, Codec, Parts, agreed, open_checkpoint, \
     save_generation
 from ringsync.process_sets import global_process_set
 
@@ -93,12 +93,18 @@ def save(path, tree, process_set=global_process_set, **extra):
     return save_generation(path, parts, comm, process_set)
 
 
-def load(path, like, process_set=global_process_set):
+def load(path, like, process_set=global_process_set, *, generation=None):
     """(the saved pytree, in `like`'s structure, as JAX arrays; the extra values save()
-    was given), whatever the number of ranks it was saved on. CheckpointError names a
-    leaf that is missing or whose shape or dtype differs from like's."""
+    was given), whatever the number of ranks it was saved on. generation: the one to load
+    (None: the one checkpoint.json names). CheckpointError, on every rank of the set,
+    names a damaged file, or a leaf that is missing or whose shape or dtype differs from
+    like's."""
     resolve(process_set)  # (a clear error before any file is read, if not initialized)
-    reader = open_checkpoint(path, CODEC)
+    reader = open_checkpoint(path, CODEC, process_set, generation=generation)
+    return agreed(lambda: _from_reader(reader, like), process_set)
+
+
+def _from_reader(reader, like):
     layout = reader.whole("jax.layout")
     out = []
     for key, leaf in _leaves(like):

@@ -17,22 +17,26 @@ A load assembles the element ranges its own ranks need from every saved part, so
 count may change between save and load; the model's structure and the optimizer's param
 groups may not. Loading a ShardedModule checkpoint into a plain module (or the reverse)
 works as well. Files are read with torch.load(weights_only=True): a checkpoint cannot run
-code.
+code. Every part's size and SHA-256 are checked first; a damaged checkpoint raises the same
+CheckpointError on every rank, and the previous generation stays loadable:
+
+    ringsync.torch.checkpoint.load(path, model, optimizer, generation=k - 1)
 """
 import copy
 import io
 
 import torch
 
-from ringsync.checkpoint import META, CheckpointError, Codec, Parts, open_checkpoint, \
-    save_generation
+from ringsync.checkpoint import META, CheckpointError, Codec, Parts, agreed, generations, \
+    open_checkpoint, save_generation
 from ringsync.checkpoint import write_atomically as _write_atomically
 from ringsync._context import resolve
 from ringsync.process_sets import global_process_set
 
 from .sharded_module import ShardedModule, load_buffers
 
-__all__ = ["META", "CheckpointError", "TorchCodec", "save", "load", "save_slice_state",
+__all__ = ["META", "CheckpointError", "TorchCodec", "generations", "save", "load",
+           "save_slice_state",
            "load_slice_state", "load_units_into_plain"]
 
 
@@ -79,15 +83,23 @@ def save(path, model, optimizer=None, process_set=global_process_set, **extra):
     return save_generation(path, parts, comm, process_set, write=_write_atomically)
 
 
-def load(path, model, optimizer=None, process_set=global_process_set):
-    """Load the newest complete checkpoint in `path` into model (and optimizer), whatever
-    the number of ranks it was saved on; returns the `extra` values save() was given.
-    Every rank of the set calls it."""
-    reader = open_checkpoint(path, CODEC)
-    _load_module(model, reader)
-    if optimizer is not None:
-        _load_optimizer(optimizer, reader)
-    return reader.whole("extra")
+def load(path, model, optimizer=None, process_set=global_process_set, *, generation=None):
+    """Load a checkpoint in `path` into model (and optimizer), whatever the number of ranks
+    it was saved on; returns the `extra` values save() was given. generation: the one to
+    load (None: the newest, which checkpoint.json names; the previous complete one stays
+    on disk, see generations(path)). Every rank of the set calls it. Every part's size and
+    SHA-256 is checked before anything is read from it; if any rank finds a problem (a
+    damaged part, a model that does not fit), every rank raises the same CheckpointError,
+    naming the file and which generations are intact."""
+    reader = open_checkpoint(path, CODEC, process_set, generation=generation)
+
+    def apply():
+        _load_module(model, reader)
+        if optimizer is not None:
+            _load_optimizer(optimizer, reader)
+        return reader.whole("extra")
+
+    return agreed(apply, process_set)
 
 
 # ---- models ----

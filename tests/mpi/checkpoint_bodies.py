@@ -1,11 +1,13 @@
 """ringsync.checkpoint under mpirun: saved on one rank count, loaded on another, training
 goes on exactly as an uninterrupted run; a rank killed mid-save leaves the previous
-checkpoint loadable; damaged checkpoints are refused with the file named.
+checkpoint loadable; damaged checkpoints are refused with the file named, on every rank
+(also when only one rank sees the damage), and the previous generation then loads.
 
 Each step trains on a global batch of 12 rows drawn from the step number; rank r of N
 takes rows [12r/N, 12(r+1)/N), so the averaged gradient is the full batch's whatever N is,
 and the reference is one process (no ringsync) on the full batch."""
 import os
+import shutil
 import signal
 
 import torch
@@ -136,6 +138,48 @@ def save_then_die_saving(path, steps):
     raise AssertionError("the save with a killed rank returned")
 
 
+def damage_one_rank_sees(path):
+    """Two saves (steps 2 and 3); rank 1 then loads from its own copy of the folder, in
+    which one byte of rank 0's newest part is flipped (as if the ranks saw different bytes
+    of a shared file system): both ranks raise the same CheckpointError, which names rank
+    1's file and generation 1 as intact; loading generation 1 then works on both, and
+    training goes on from it exactly."""
+    hvd.init()
+    me = hvd.rank()
+    model, opt = _build("stage2", seed=5)
+    _train(model, opt, 0, 2)
+    assert checkpoint.save(path, model, opt, step=2) == 1
+    _train(model, opt, 2, 3)
+    assert checkpoint.save(path, model, opt, step=3) == 2
+    mine = path if me == 0 else f"{path}-rank-1"
+    if me == 1:
+        shutil.copytree(path, mine)
+        damaged = os.path.join(mine, "gen-2", f"rank-0-of-{hvd.size()}.pt")
+        data = bytearray(open(damaged, "rb").read())
+        data[len(data) // 3] ^= 0x04
+        open(damaged, "wb").write(bytes(data))
+    hvd.barrier()
+    model, opt = _build("stage2", seed=9)
+    try:
+        checkpoint.load(mine, model, opt)
+    except checkpoint.CheckpointError as e:
+        message = str(e)
+    else:
+        raise AssertionError(f"rank {me} loaded a checkpoint rank 1 found damaged")
+    messages = hvd.allgather_object(message)
+    assert messages[0] == messages[1], messages
+    damaged = os.path.join(f"{path}-rank-1", "gen-2", f"rank-0-of-{hvd.size()}.pt")
+    for words in (f"{damaged} does not match its SHA-256", "(on rank 1)",
+                  "generation 1 is intact: load(..., generation=1)"):
+        assert words in message, (words, message)
+    extra = checkpoint.load(mine, model, opt, generation=1)
+    assert extra["step"] == 2, extra
+    _compare(model, _reference(2), "generation 1, loaded after the damaged generation 2")
+    _train(model, opt, 2, 4)
+    _compare(model, _reference(4), "training on from generation 1")
+    hvd.shutdown()
+
+
 def load_the_survivor(path, total):
     """After the killed save: the previous checkpoint loads and training goes on as if
     nothing had happened."""
@@ -179,9 +223,13 @@ def damaged_checkpoints(path):
     expect("bytes")
     if me == 0:
         open(meta, "w").write('{"format": 1, "generation": "../..", "ranks": 2}')
-    expect("is not a ringsync checkpoint")
+    expect("'generation' is '../..', not an integer")
     if me == 0:
         open(part, "wb").write(b"x" * len(good_part))
+    expect(f"{part} does not match its SHA-256")
+    if me == 0:  # (the same bytes, with checkpoint.json edited to fit them)
+        open(part, "wb").write(b"x" * len(good_part))
+        _resize_in_meta(meta, part)
     expect("cannot be read")
     if me == 0:
         forged = torch.load(part, weights_only=True)  # (not mmap: the file is rewritten)
@@ -212,12 +260,16 @@ def damaged_checkpoints(path):
         raise AssertionError("an unpicklable extra was saved")
     assert checkpoint.save(path, model, opt, step=3) == 3
     assert checkpoint.load(path, *_build("stage1", seed=9))["step"] == 3
-    assert sorted(os.listdir(path)) == ["checkpoint.json", "gen-3"], os.listdir(path)
+    # (the failed save's gen-2 removed; gen-1, the newest complete one before, kept)
+    assert sorted(os.listdir(path)) == ["checkpoint.json", "gen-1", "gen-3"], os.listdir(path)
     hvd.shutdown()
 
 
 def _resize_in_meta(meta, part):
+    """checkpoint.json edited to record part's size and SHA-256 (a forgery that fits)."""
+    import hashlib
     import json
     data = json.load(open(meta))
     data["bytes"][0] = os.path.getsize(part)
+    data["sha256"][0] = hashlib.sha256(open(part, "rb").read()).hexdigest()
     open(meta, "w").write(json.dumps(data))
