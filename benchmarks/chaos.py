@@ -30,10 +30,12 @@ import json
 import os
 import random
 import shutil
+import shlex
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,11 +44,14 @@ sys.path.insert(0, ROOT)
 from benchmarks.chaos_ranks import STEPS  # noqa: E402
 
 KILLS = ["kill-allreduce", "kill-negotiation", "kill-commit", "kill-checkpoint"]
-KINDS = KILLS + ["stop", "exception", "shm-full", "two-faults"]
+KINDS = KILLS + ["stop", "exception", "shm-full", "two-faults", "link-flap"]
 STRIKES = set(KILLS) | {"exception", "shm-full"}  # faults that end the rank they strike
 FAILURES = ["hang", "wrong parameters", "exit 0 after failure", "unclean", "leftovers"]
 OUTCOMES = ["finished", "clean error"] + FAILURES
 SHM_MIB = 64
+# A link-flap job's collective timeout: flaps last up to twice as long, so some outlive it
+# (the host's ranks are lost, or the job fails) and some do not (TCP resends).
+LINK_TIMEOUT_S = 8
 # What a job of ours names in /dev/shm (transport_shm.c and lane.c name theirs "ringsync-...").
 OUR_SEGMENTS = "ringsync-"
 
@@ -56,15 +61,26 @@ def private_shm_available() -> bool:
         subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode == 0
 
 
+def virtual_hosts_available() -> bool:
+    from ringsync.netns import unavailable
+    return unavailable() is None
+
+
 def draw_run(seed: int, args) -> dict:
     """The workload, launcher and faults of one seed."""
     rng = random.Random(seed)
     workload = rng.choice(args.workloads)
     kinds = [k for k in args.kinds if not (workload == "keras" and k == "kill-checkpoint")
-             and not (k == "shm-full" and not args.private_shm)]
+             and not (k == "shm-full" and not args.private_shm)
+             and not (k == "link-flap" and not args.virtual_hosts)]
     kind = rng.choice(kinds)
+    launcher = rng.choice(args.launchers)
     faults = []
-    if kind == "two-faults":
+    if kind == "link-flap":  # (across two namespace hosts, which mpirun reaches)
+        launcher = "mpirun"
+        faults.append({"kind": kind, "host": 1, "after_s": round(rng.uniform(0.5, 3.0), 2),
+                       "seconds": round(rng.uniform(1.0, 2 * LINK_TIMEOUT_S), 2)})
+    elif kind == "two-faults":
         a, b = rng.sample(range(args.np), 2)
         step = rng.randint(1, STEPS - 3)
         faults += [draw_fault(rng, rng.choice(KILLS[:3]), a, step, workload),
@@ -72,8 +88,8 @@ def draw_run(seed: int, args) -> dict:
     else:
         faults.append(draw_fault(rng, kind, rng.randrange(args.np),
                                  rng.randint(1, STEPS - 2), workload))
-    return {"seed": seed, "workload": workload, "launcher": rng.choice(args.launchers),
-            "kind": kind, "faults": faults}
+    return {"seed": seed, "workload": workload, "launcher": launcher, "kind": kind,
+            "faults": faults}
 
 
 def draw_fault(rng, kind, rank, step, workload) -> dict:
@@ -81,17 +97,21 @@ def draw_fault(rng, kind, rank, step, workload) -> dict:
     if kind == "kill-negotiation":
         fault["delay_us"] = rng.randint(0, 3000)
     elif kind == "kill-checkpoint":
-        points = ["before-part", "after-part"] + (["before-name"] if rank == 0 else [])
+        points = ["before-part", "after-part"] + (["before-meta", "before-name"]
+                                                   if rank == 0 else [])
         fault["point"] = rng.choice(points)
     elif kind == "stop":
         fault["seconds"] = round(rng.uniform(1.0, 4.0), 2)
     return fault
 
 
-def launch_command(run: dict, np: int, shm_list: str, private_shm: bool) -> list:
+def launch_command(run: dict, np: int, shm_list: str, private_shm: bool, hosts=None) -> list:
     command = [sys.executable, "-m", "ringsync.launch.cli", "run", "--elastic", "-np", str(np)]
     if run["launcher"] == "local":
         command += ["--launcher", "local"]
+    if hosts is not None:  # np // 2 ranks on each of two hosts
+        command += ["-H", hosts.hosts_arg(np // 2),
+                    "--mpi-args=" + " ".join(shlex.quote(a) for a in hosts.mpirun_args())]
     command += [sys.executable, RANKS]
     if not private_shm:
         return command
@@ -104,7 +124,8 @@ def run_environment(run: dict, folder: str, shm_list: str) -> dict:
     env = dict(os.environ, PYTHONPATH=ROOT, PATH=search_path(), RINGSYNC_CHAOS_DIR=folder, RS_SHM_LIST=shm_list,
                RINGSYNC_CHAOS_PLAN=json.dumps({"workload": run["workload"],
                                                "faults": run["faults"]}),
-               RINGSYNC_TIMEOUT_SECONDS="30", OMP_NUM_THREADS="1",
+               RINGSYNC_TIMEOUT_SECONDS=str(LINK_TIMEOUT_S if run["kind"] == "link-flap"
+                                            else 30), OMP_NUM_THREADS="1",
                TF_CPP_MIN_LOG_LEVEL="3", OMPI_ALLOW_RUN_AS_ROOT="1",
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     env.pop("RINGSYNC_FLIGHT_RECORDER_DIR", None)
@@ -118,14 +139,23 @@ def search_path() -> str:
 
 def execute(run: dict, args) -> dict:
     """Run one job; returns run with its outcome and the evidence."""
+    if run["kind"] != "link-flap":
+        return execute_on(run, args, None)
+    from ringsync.netns import VirtualHosts
+    with VirtualHosts(2, rate=None) as hosts:
+        return execute_on(run, args, hosts)
+
+
+def execute_on(run: dict, args, hosts) -> dict:
     folder = tempfile.mkdtemp(prefix="ringsync-chaos-")
     shm_list = os.path.join(folder, "shm-left")
     before = set(os.listdir("/dev/shm")) if not args.private_shm else set()
     started = time.monotonic()
-    job = subprocess.Popen(launch_command(run, args.np, shm_list, args.private_shm),
+    job = subprocess.Popen(launch_command(run, args.np, shm_list, args.private_shm, hosts),
                            env=run_environment(run, folder, shm_list), cwd=ROOT,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            start_new_session=True)
+    flapper = start_link_flap(run, hosts, folder, args.np)
     try:
         output, _ = job.communicate(timeout=args.timeout_s)
         hung = False
@@ -133,6 +163,8 @@ def execute(run: dict, args) -> dict:
         os.killpg(job.pid, signal.SIGKILL)
         output, _ = job.communicate()
         hung = True
+    if flapper:
+        flapper.join()
     run.update(seconds=round(time.monotonic() - started, 1), returncode=job.returncode,
                output=output[-6000:])
     leftovers = leftover_processes(folder) + leftover_segments(shm_list, before, args)
@@ -142,6 +174,28 @@ def execute(run: dict, args) -> dict:
     else:
         run["folder"] = folder
     return run
+
+
+def start_link_flap(run: dict, hosts, folder: str, np: int):
+    """link-flap: once every rank has begun training, wait after_s, take the host's link down
+    for `seconds`, then up again (a thread; None for other kinds)."""
+    if hosts is None:
+        return None
+    fault = run["faults"][0]
+    host = hosts.names[fault["host"]]
+
+    def flap():
+        deadline = time.monotonic() + 120
+        while len(glob.glob(os.path.join(folder, "training-*"))) < np and \
+                time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(fault["after_s"])
+        hosts.link_down(host)
+        time.sleep(fault["seconds"])
+        hosts.link_up(host)
+    thread = threading.Thread(target=flap, daemon=True)
+    thread.start()
+    return thread
 
 
 def read_ends(folder: str) -> dict:
@@ -195,6 +249,9 @@ def judge(run: dict, ends: dict, hung: bool, leftovers: list, np: int):
     if leftovers:
         return "leftovers", "; ".join(leftovers)
     struck = {f["rank"] for f in run["faults"] if f["kind"] in STRIKES}
+    for f in run["faults"]:  # a flapped host's ranks may be lost (their peers time out)
+        if f["kind"] == "link-flap":
+            struck |= set(range(f["host"] * np // 2, (f["host"] + 1) * np // 2))
     others = [r for r in range(np) if r not in struck]
     missing = [r for r in others if r not in ends]
     if run["returncode"] == 0:
@@ -266,6 +323,7 @@ def parse_args(argv=None):
     if "mpirun" in args.launchers and not shutil.which("mpirun", path=search_path()):
         args.launchers = [x for x in args.launchers if x != "mpirun"] or ["local"]
     args.private_shm = private_shm_available()
+    args.virtual_hosts = "mpirun" in args.launchers and virtual_hosts_available()
     return args
 
 

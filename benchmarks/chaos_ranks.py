@@ -12,7 +12,7 @@ kind names:
     kill-commit       SIGKILL inside State.commit(), after this rank's snapshot
     kill-checkpoint   SIGKILL inside the checkpoint save, at a point the plan draws
                       (before or after this rank's part, or, on rank 0, before the
-                      checkpoint is named)
+                      generation's meta.json or before checkpoint.json names it)
     stop              SIGSTOP for `seconds`, then SIGCONT (from a child process): a straggler
     exception         an uncaught RuntimeError in the training function
     shm-full          fill /dev/shm (a private tmpfs the driver mounts), then SIGKILL one
@@ -21,7 +21,8 @@ kind names:
 Every process writes RINGSYNC_CHAOS_DIR/end-<original rank>.json when it finishes or fails
 (its parameters, the ring sizes of the steps as finally run, the replay's error, whether
 the latest checkpoint loads and holds what was saved; or the error's type and text), and
-pid-<original rank> at the start, for the driver's leftover check.
+pid-<original rank> at the start, for the driver's leftover check, and training-<original
+rank> at its first step.
 
 Workloads: "torch" (DistributedOptimizer + TorchState, SGD with momentum, float64),
 "sharded" (ShardedOptimizer stage 2: state in checkpoints, rebuilt for the new ring size
@@ -34,6 +35,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import traceback
 
 import numpy as np
@@ -67,6 +69,8 @@ class Plan:
 
     def at_step_start(self):
         """Faults that strike at the start of a step (stop, exception, shm-full)."""
+        if self.steps_seen == 0:  # (the driver's link-flap waits for every rank's)
+            self.write(f"training-{self.me}", {"time": time.time()})
         stop = self.due("stop")
         if stop:
             straggle(stop["seconds"])
@@ -138,14 +142,16 @@ def killing_checkpoint_writes(plan: Plan):
     if not fault:
         ckpt._write_atomically = ckpt._chaos_write
         return
-    point = fault["point"]  # "before-part", "after-part" or "before-name"
+    # "before-part", "after-part"; rank 0 also "before-meta" (the generation's own
+    # meta.json) and "before-name" (checkpoint.json, which names the generation)
+    point = fault["point"]
+    befores = {"before-part": ".pt", "before-meta": "meta.json", "before-name": "checkpoint.json"}
 
     def write(path, data):
-        is_meta = os.path.basename(path) == "checkpoint.json"
-        if (point == "before-part" and not is_meta) or (point == "before-name" and is_meta):
+        if point in befores and path.endswith(befores[point]):
             die(plan, f"checkpoint save, {point}")
         ckpt._chaos_write(path, data)
-        if point == "after-part" and not is_meta:
+        if point == "after-part" and path.endswith(".pt"):
             die(plan, f"checkpoint save, {point}")
     ckpt._write_atomically = write
 
