@@ -146,6 +146,44 @@ class HostilePeer:
     def send(self, peer: int, data: bytes) -> None:
         self.socks[peer].sendall(data)
 
+    def play_round(self, header: bytes, payload: bytes = b"", words: int = 0,
+                   read_payloads: bool = True):
+        """Take part in one negotiation round: once rank 0 has begun it, send `header`
+        (its cache bits included) to every honest rank and read theirs, then exchange the
+        requests if any rank announced some (this rank sends `payload`, whatever its header
+        said; read_payloads=False: without waiting for theirs, which a rank relays only
+        once it has ours). With at most three ranks, the core's log-round allgather moves each record
+        straight from its owner to every other rank (rank 0's first step sends to the
+        highest rank, whose first step sends to the one below), so this is the order a
+        real rank keeps. Returns the honest ranks' headers (ROUND's fields) and payloads."""
+        record = ROUND.size + 8 * words
+        theirs = {0: self.recv(0, record)}
+        for p in self.socks:
+            self.send(p, header)
+        theirs.update((p, self.recv(p, record)) for p in self.socks if p != 0)
+        theirs = {p: ROUND.unpack(r[:ROUND.size]) for p, r in theirs.items()}
+        if ROUND.unpack_from(header)[3] == 0 and not any(h[3] for h in theirs.values()):
+            return theirs, {}
+        for p in self.socks:
+            self.send(p, payload)
+        if not read_payloads:
+            return theirs, {}
+        return theirs, {p: self.recv(p, theirs[p][3]) for p in self.socks}
+
+    def serve(self, first_payload: bytes, words: int = 0, **first_header) -> None:
+        """Answer rounds until the honest ranks hang up: the first with `first_payload`
+        (header fields from first_header), the later ones empty, as a rank that has
+        posted its requests and waits."""
+        round_no, payload = 0, first_payload
+        try:
+            while True:
+                fields = first_header if round_no == 0 else {}
+                self.play_round(round_header(round_no, payload, words, **fields), payload,
+                                words)
+                round_no, payload = round_no + 1, b""
+        except (EOFError, OSError):
+            return  # the honest ranks failed (or finished) and closed
+
     def finish(self, seconds: float = WAIT_S) -> None:
         """Stop writing (FIN, never a reset: the honest rank reads all that was sent) and
         read until every honest rank has closed its end, so no honest rank ever waits for
