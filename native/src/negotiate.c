@@ -347,6 +347,18 @@ static void agree_on_report(rs_negotiator_t *n, const char *all, size_t record_b
     n->report = newest;
 }
 
+/* A rank's report field is the newest hang report it knows, or one it asks for: the newest
+ * agreed plus one per ask since (stalls and requests, a handful between two rounds), for a
+ * reason the engine knows. A number far ahead would block every later report (asks must
+ * exceed it), and each forged one would have every rank write a report. */
+#define MAX_REPORT_ASKS ((uint64_t)1 << 20)
+
+static int report_plausible(const rs_negotiator_t *n, uint64_t report) {
+    uint64_t reason = report & 0xff, id = report >> 8;
+    return report == 0 || ((reason == RS_REPORT_STALL || reason == RS_REPORT_REQUEST) &&
+                           id <= (n->report >> 8) + MAX_REPORT_ASKS);
+}
+
 static rs_status_t exchange(rs_comm_t *comm, rs_negotiator_t *n, const uint64_t *bits,
                             size_t words, const char *payload, size_t payload_bytes,
                             const uint64_t blocking[2], char **gathered_bits,
@@ -379,6 +391,10 @@ static rs_status_t exchange(rs_comm_t *comm, rs_negotiator_t *n, const uint64_t 
             return malformed(comm, r, "header magic %#x, %u cache words, round %llu; expected "
                              "%#x, %zu, %llu", h.magic, h.words, (unsigned long long)h.round,
                              ROUND_MAGIC, words, (unsigned long long)n->rounds);
+        if (!report_plausible(n, h.report))
+            return malformed(comm, r, "hang report %llu for reason %u, but the newest is %llu",
+                             (unsigned long long)(h.report >> 8), (unsigned)(h.report & 0xff),
+                             (unsigned long long)(n->report >> 8));
         if (h.payload_bytes > (uint64_t)MAX_PAYLOAD_BYTES ||
             rs_add_checked(total, (int64_t)h.payload_bytes, &total) != 0)
             return malformed(comm, r, "announced %llu bytes of requests",

@@ -485,13 +485,27 @@ static void copy_ring(char *dst, const char *src, uint64_t pos, size_t n, int in
     }
 }
 
+/* A ring's counters are in shared memory, where the peer can write anything: counters
+ * that put more than the ring's bytes between them would have a copy run past the ring. */
+static rs_status_t forged_ring(rs_comm_t *comm, int peer, const char *way, uint64_t head,
+                               uint64_t tail) {
+    return rs_fail(comm, RS_ERR_COMM, "rank %d: the shared-memory ring %s rank %d holds "
+                   "%llu bytes by its counters (head %llu, tail %llu), more than its %llu: "
+                   "rank %d wrote them, or corrupted its memory; the communicator is broken",
+                   comm->rank, way, peer, (unsigned long long)(head - tail),
+                   (unsigned long long)head, (unsigned long long)tail,
+                   (unsigned long long)RING_BYTES, peer);
+}
+
 static rs_status_t shm_send(rs_comm_t *comm, int peer, const char *buf, size_t len,
                             size_t *done) {
     if (!is_local(comm, peer))
         return comm->shm->below->send(comm, peer, buf, len, done);
     ring_t *r = ring_to(comm, peer);
-    uint64_t head = r->header.head; /* only we write it */
+    uint64_t head = r->header.head; /* only we write it (in the peer's segment, though) */
     uint64_t tail = __atomic_load_n(&r->header.tail, __ATOMIC_ACQUIRE);
+    if (head - tail > RING_BYTES)
+        return forged_ring(comm, peer, "to", head, tail);
     size_t room = (size_t)(RING_BYTES - (head - tail));
     size_t n = len - *done < room ? len - *done : room;
     if (n == 0)
@@ -510,6 +524,8 @@ static rs_status_t shm_recv(rs_comm_t *comm, int peer, char *buf, size_t len, si
     ring_t *r = ring_from(comm, peer);
     uint64_t tail = r->header.tail;
     uint64_t head = __atomic_load_n(&r->header.head, __ATOMIC_ACQUIRE);
+    if (head - tail > RING_BYTES)
+        return forged_ring(comm, peer, "from", head, tail);
     size_t n = len - *done < head - tail ? len - *done : (size_t)(head - tail);
     if (n == 0)
         return RS_OK;

@@ -25,8 +25,10 @@ static int unanswered(int fd) {
     socklen_t len = sizeof ti;
     if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &ti, &len) != 0)
         return 0;
-    /* (one retransmission may be congestion; two timeouts in a row without an ACK are not) */
-    return ti.tcpi_state != TCP_ESTABLISHED || ti.tcpi_retransmits >= 2 || ti.tcpi_probes > 0;
+    /* (one retransmission may be congestion; two timeouts in a row without an ACK are not;
+     * CLOSE_WAIT: the peer's FIN came, so its host answers: a closed peer, not a lost host) */
+    return (ti.tcpi_state != TCP_ESTABLISHED && ti.tcpi_state != TCP_CLOSE_WAIT) ||
+           ti.tcpi_retransmits >= 2 || ti.tcpi_probes > 0;
 }
 
 /* A rank that aborts after seeing a failure elsewhere sends this one urgent (out-of-band)
