@@ -329,12 +329,12 @@ def _is_rank_failure(error: BaseException, comm) -> bool:
         return False
     if isinstance(error, CommunicationError):
         return True
-    try:
-        from mpi4py import MPI
-        if isinstance(error, MPI.Exception):
-            return True
-    except ImportError:
-        pass
+    # Only where MPI is in use already: importing mpi4py.MPI initialises MPI, which in a
+    # rank started without mpirun makes a singleton job (its own segments in /dev/shm,
+    # left behind if the rank is killed later; seen in benchmarks/chaos.py).
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and isinstance(error, mpi.Exception):
+        return True
     return comm is not None and comm.broken
 
 

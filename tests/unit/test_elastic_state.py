@@ -207,3 +207,18 @@ def test_host_discovery_keeps_the_last_answer_when_the_script_fails(tmp_path, ca
     assert slow.poll() == {"b": 1}
     (tmp_path / "hosts").write_text("c:1\n")
     assert slow.poll() == {"b": 1}  # not due again yet
+
+
+def test_judging_a_failure_does_not_start_mpi_in_a_rank_without_it():
+    """A rank started without mpirun (the store) asks whether an error is a lost rank:
+    the answer must not import mpi4py.MPI, which initialises MPI as a singleton job
+    (its segments were left in /dev/shm by ranks killed later, in benchmarks/chaos.py)."""
+    import subprocess
+    import sys
+    code = ("import sys; from ringsync import elastic; "
+            "assert not elastic._is_rank_failure(ValueError('wrapped'), None); "
+            "print('mpi4py.MPI' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False", done.stdout + done.stderr
