@@ -106,6 +106,7 @@ SLOW_MPIRUN = [
     "tests/faults/test_killed_rank.py::test_killed_rank_fails_pending_handles[*",
     "tests/faults/test_killed_rank.py::test_a_slow_peer_times_out_instead_of_hanging",
     "tests/faults/test_chaos.py::test_chaos_runs_end_finished_or_in_a_clean_error",
+    "tests/faults/test_hostile_peer.py::test_ten_thousand_mutated_frames_*",
     "tests/faults/test_launcher_signals.py::*[SIGQUIT]",
     "tests/faults/test_launcher_signals.py::test_ctrl_z_*",
     "tests/faults/test_launcher_signals.py::test_killing_a_stopped_launcher_ends_the_stopped_job",

@@ -187,6 +187,5 @@ def test_a_thousand_mutated_frames_each_fail_naming_the_peer_or_give_the_referen
     _fuzz(seed=20261, frames=1000)
 
 
-@pytest.mark.slow
 def test_ten_thousand_mutated_frames_each_fail_naming_the_peer_or_give_the_reference():
     _fuzz(seed=20262, frames=10000)
