@@ -216,8 +216,11 @@ class StoreRendezvous(Rendezvous, FaultTolerance):
         lost = sorted(set(range(self.size)) - set(survivors))
         successor = self._next(survivors.index(self.rank), len(survivors),
                                self.generation + 1)
-        self._store.delete_key(f"{base}/in/{self.rank}")  # (the decision answers latecomers)
         self._hand_over()
+        # Only now, with the liveness key gone: a rank still waiting above must see this
+        # one as arrived or as gone, never as alive and away (it would wait the timeout).
+        # The decision answers whoever comes later.
+        self._store.delete_key(f"{base}/in/{self.rank}")
         return successor, lost
 
     def _wait_for_survivors(self, base: str) -> List[int]:
