@@ -13,14 +13,29 @@ the native engines' threads), ringsync's shared-memory segments (named
 ``ringsync-<job>-<rank>-<pid>`` by native/src/transport_shm.c: still in /dev/shm with this
 pid, and still mapped in this process, which an unlinked segment stays until munmap), and
 resident memory (VmRSS). Linux only (/proc).
+
+The loops measured: init_shutdown_cycles (thread-rank communicators built, used and shut
+down) and elastic_recoveries (ElasticJob: thread ranks over ringsync's store that lose a
+rank and recover, again and again).
 """
 import gc
 import os
 import re
+import sys
 import threading
 import time
-from dataclasses import dataclass, field
+import traceback
+from dataclasses import dataclass
 from typing import Dict, List
+
+import numpy as np
+
+from ringsync import Communicator, Config, ReduceOp
+from ringsync.elastic import _Recovery
+from ringsync.errors import CommunicationError
+from ringsync.rendezvous_store import StoreRendezvous
+from ringsync.store import StoreClient, StoreServer
+from tests.thread_ranks import PATHS, assert_ranks_ok
 
 SHM_DIR = "/dev/shm"
 SEGMENT = re.compile(r"ringsync-[0-9a-f]{16}-\d+-(\d+)")  # transport_shm.c segment_name
@@ -34,7 +49,8 @@ def fd_kinds() -> Dict[str, int]:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue  # (the descriptor listdir itself used, closed by now)
-        kinds[_fd_kind(target)] = kinds.get(_fd_kind(target), 0) + 1
+        kind = _fd_kind(target)
+        kinds[kind] = kinds.get(kind, 0) + 1
     return kinds
 
 
@@ -90,7 +106,6 @@ class ResourceSnapshot:
     shm_files: List[str]
     shm_mapped: int
     rss_mib: float
-    taken_at: float = field(default_factory=time.monotonic)
 
     @classmethod
     def take(cls) -> "ResourceSnapshot":
@@ -168,8 +183,6 @@ RING_ENV = {"RINGSYNC_TIMEOUT_SECONDS": "60"}
 def checked_allreduce(comm, cycle: int, n: int = 1000, name: str = "leaks.step") -> None:
     """One blocking allreduce of data that differs by rank, position and cycle, compared
     with the sum of every rank's input."""
-    import numpy as np
-    from ringsync import ReduceOp
     base = np.arange(n, dtype=np.int64)
     got = comm.allreduce(base * (comm.rank() + 1) + cycle, op=ReduceOp.SUM, name=name)
     want = sum(base * (r + 1) + cycle for r in range(comm.size()))
@@ -182,8 +195,6 @@ def checked_allreduce(comm, cycle: int, n: int = 1000, name: str = "leaks.step")
 def one_cycle_body(comm, cycle: int) -> str:
     """A rank's life in one init/shutdown cycle: a blocking allreduce (the same-host lane
     where there is one) and an asynchronous one (always through the engine's thread)."""
-    import numpy as np
-    from ringsync import ReduceOp
     checked_allreduce(comm, cycle)
     x = np.full(33, comm.rank() + 1 + cycle, dtype=np.float64)
     total = comm.synchronize(comm.allreduce_async(x, op=ReduceOp.SUM, name="leaks.async"))
@@ -198,7 +209,6 @@ def init_shutdown_cycles(count: int, first: int = 0, size: int = 2,
                          paths=CYCLE_PATHS) -> None:
     """`count` cycles of `size` thread-rank communicators built, used and shut down, each
     cycle over the next of `paths`."""
-    from tests.thread_ranks import PATHS, assert_ranks_ok
     for cycle in range(first, first + count):
         path = paths[cycle % len(paths)]
         assert_ranks_ok(one_cycle_body, size, timeout=120, env={**RING_ENV, **PATHS[path]},
@@ -218,18 +228,17 @@ STORE_TIMEOUT_S = 30.0
 class ElasticJob:
     """`size` thread ranks that lose a rank `recoveries` times and recover each time.
 
-    Cycle c: every rank allreduces (checked); then the rank whose rank is c % size starts
-    its replacement (a thread that registers in the store, as a rank the launcher
-    restarts), waits until it is registered, and dies: its ring is freed without an abort
-    notice and its store connection closed, which is what the kernel does to a killed
-    process (its sockets close; its liveness key in the store drops). The survivors'
-    next allreduce fails with CommunicationError, and they recover as ringsync.elastic.run
-    does (_Recovery.recover): abort the old ring, agree on the survivors through the
-    store, admit the waiting replacement, build a new ring of `size` in the same threads.
+    Cycle c: every rank allreduces (checked); then rank c % size starts its replacement
+    (a thread that registers in the store, as a rank the launcher restarts), waits until
+    it is registered, and dies: its ring is freed without an abort notice and its store
+    connection closed, which is what the kernel does to a killed process (its sockets
+    close; its liveness key in the store drops). The survivors' next allreduce fails with
+    CommunicationError, and they recover as ringsync.elastic.run does
+    (_Recovery.recover): abort the old ring, agree on the survivors through the store,
+    admit the waiting replacement, build a new ring of `size` in the same threads.
     The replacement learns the cycle from the new rank 0."""
 
     def __init__(self, server, recoveries: int, size: int = 3):
-        from ringsync import Config
         self.server, self.recoveries, self.size = server, recoveries, size
         self.config = Config.from_env(ELASTIC_ENV)
         self.errors: List[str] = []
@@ -257,8 +266,6 @@ class ElasticJob:
             raise AssertionError("\n".join(self.errors))
 
     def _stacks(self) -> str:
-        import sys
-        import traceback
         frames = sys._current_frames()
         with self._lock:
             alive = [t for t in self._threads if t.is_alive()]
@@ -274,7 +281,6 @@ class ElasticJob:
         thread.start()
 
     def _guarded(self, target, *args) -> None:
-        import traceback
         try:
             target(*args)
         except BaseException:
@@ -282,28 +288,21 @@ class ElasticJob:
                                + traceback.format_exc())
 
     def _client(self):
-        from ringsync.store import StoreClient
         host, port = self.server.address
         return StoreClient(host, port, ELASTIC_SECRET, timeout=STORE_TIMEOUT_S)
 
     def _founder(self, rank: int) -> None:
-        from ringsync import Communicator
-        from ringsync.rendezvous_store import StoreRendezvous
         client = self._client()
         rendezvous = StoreRendezvous(client, rank, self.size, timeout=STORE_TIMEOUT_S,
                                      secret=ELASTIC_SECRET, owns_store=True, elastic=True)
         self._live(Communicator(rendezvous=rendezvous, config=self.config), client, 0)
 
     def _replacement(self) -> None:
-        from ringsync import Communicator
-        from ringsync.rendezvous_store import StoreRendezvous
         client = self._client()
         rendezvous = StoreRendezvous.join(client, ELASTIC_SECRET, timeout=STORE_TIMEOUT_S)
         self._live(Communicator(rendezvous=rendezvous, config=self.config), client, -1)
 
     def _live(self, comm, client, cycle: int) -> None:
-        from ringsync.elastic import _Recovery
-        from ringsync.errors import CommunicationError
         recovery = _Recovery(self.config, comm)
         while True:
             cycle = _rank0s_cycle(comm, cycle)
@@ -339,7 +338,6 @@ class ElasticJob:
 
 def _rank0s_cycle(comm, cycle: int) -> int:
     """Every rank takes rank 0's cycle (a replacement knows none yet)."""
-    import numpy as np
     mine = np.array([cycle], dtype=np.int64)
     return int(comm.broadcast(mine, 0, name="leaks.cycle")[0])
 
@@ -365,7 +363,6 @@ def elastic_recoveries(count: int, size: int = 3) -> Dict[str, object]:
     """A job of `size` thread ranks that recovers `count` times: how many recoveries the
     survivors made, the keys the store held at each cycle's start (those not kept for
     good) and at the end (all of them)."""
-    from ringsync.store import StoreServer
     with StoreServer(ELASTIC_SECRET) as server:
         job = ElasticJob(server, count, size)
         job.run()
