@@ -441,7 +441,7 @@ class _Recovery:
             if not leaving:
                 self.comm.shutdown()
             rendezvous = grown
-        self.comm = Communicator(rendezvous=rendezvous)
+        self.comm = Communicator(rendezvous=rendezvous, config=self.config)
         self.target_size = self.comm.size()
         if install is not None:
             install(self.comm)
@@ -482,4 +482,4 @@ class _Recovery:
         if self.config.elastic_respawn and size < self.target_size:
             self._meeting = survivors.spawn(self.target_size - size)
             self._spawned = self._meeting.size - size  # (a store admits those waiting)
-        return Communicator(rendezvous=self._meeting)
+        return Communicator(rendezvous=self._meeting, config=self.config)

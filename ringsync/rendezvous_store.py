@@ -214,8 +214,14 @@ class StoreRendezvous(Rendezvous, FaultTolerance):
                 f"ringsync: rank {self.rank} came to the recovery after the others had "
                 f"agreed on the survivors {survivors} without it")
         lost = sorted(set(range(self.size)) - set(survivors))
-        return self._next(survivors.index(self.rank), len(survivors),
-                          self.generation + 1), lost
+        successor = self._next(survivors.index(self.rank), len(survivors),
+                               self.generation + 1)
+        self._hand_over()
+        # Only now, with the liveness key gone: a rank still waiting above must see this
+        # one as arrived or as gone, never as alive and away (it would wait the timeout).
+        # The decision answers whoever comes later.
+        self._store.delete_key(f"{base}/in/{self.rank}")
+        return successor, lost
 
     def _wait_for_survivors(self, base: str) -> List[int]:
         deadline = time.monotonic() + (self.timeout or 120.0)
@@ -244,7 +250,17 @@ class StoreRendezvous(Rendezvous, FaultTolerance):
                 place = {"generation": generation, "rank": self.size + i, "size": size}
                 self._store.set(f"{self._root}/join/{joiner}/admit",
                                 json.dumps(place).encode())
-        return self._next(self.rank, size, generation)
+        successor = self._next(self.rank, size, generation)
+        self._hand_over()
+        return successor
+
+    def _hand_over(self) -> None:
+        """This rank has moved on to the next generation (made before this is called, so
+        that the rank is alive in one all along): this one's liveness key goes and its
+        hold on the store passes to the next, so that closing the newest rendezvous
+        closes the store, and a long job's store does not keep a key per generation."""
+        self._store.delete_key(self._alive_key(self.generation, self.rank))
+        self.close()
 
     def joiners_waiting(self) -> int:
         """Replacements registered and not yet admitted (some may have died since)."""
@@ -258,6 +274,7 @@ class StoreRendezvous(Rendezvous, FaultTolerance):
         while seen < registered and len(picked) < count:
             seen += 1
             joiner = self._store.get(f"{self._root}/join/n{seen}").decode("ascii", "replace")
+            self._store.delete_key(f"{self._root}/join/n{seen}")  # (read once: by rank 0)
             if self._store.check([f"{self._root}/join/alive/{joiner}"]):
                 picked.append(joiner)  # (one that died while waiting is passed over)
         self._store.add(f"{self._root}/join/taken", seen - taken)

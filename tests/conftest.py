@@ -172,6 +172,9 @@ SLOW_STRESS = [
     "tests/unit/test_adasum.py::test_adasum_matches_the_tree_reference_on_every_rank[5-*",
     "tests/unit/test_adasum.py::test_adasum_matches_the_tree_reference_on_every_rank[8-*",
     "tests/unit/test_adasum.py::test_adasum_with_a_joined_rank[5-tcp]",
+    # the fast tier keeps 100 cycles and 20 recoveries
+    "tests/unit/test_leaks.py::test_init_shutdown_cycles_leave_nothing_behind[1000]",
+    "tests/unit/test_leaks.py::test_elastic_recoveries_leave_nothing_behind[100]",
 ]
 
 # Jobs across virtual hosts (network namespaces, a launch agent per host; up to 32 ranks).
