@@ -31,6 +31,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 import ringsync as rs
 from ringsync import Communicator, Config
 from ringsync._context import resolve
+from ringsync._native import ffi, lib
 from ringsync.errors import UsageError
 from ringsync.process_sets import ProcessSet, Registry
 from ringsync.rendezvous import ThreadGroup
@@ -135,9 +136,10 @@ class RankPool:
                   "".join(traceback.format_stack(frames[t.ident]))
                   for r, t in enumerate(self.threads) if r not in results and t.ident in frames]
         self.broken = True
-        for comm in self.comms:
-            if comm is not None and not comm.closed:
-                comm.abort("the fuzz test's deadline passed")
+        for comm in self.comms:  # (only fail the calls: their threads still use the engines)
+            engine = comm._ring.engine if comm is not None else ffi.NULL
+            if engine != ffi.NULL:
+                lib.rs_engine_abort(engine, b"the fuzz test's deadline passed")
         raise AssertionError("\n".join([f"{what} hung on {self.size} thread ranks:"] + stacks))
 
     def close(self) -> None:
@@ -379,3 +381,161 @@ def _run_case(pools, case: fz.Case, call):
 @given(case=fz.cases(POOLS))
 def test_numpy_api(pools, case):
     _run_case(pools, case, _numpy_call)
+
+
+# ------------------------------------------------------------------ the adapters
+
+
+def _framework_args(case: fz.Case, ctx: RankContext):
+    """(this rank's op, prescale, root, splits, process_set) as the adapters take them."""
+    me = ctx.rank
+    where = ctx.process_set if case.in_set else ctx.world
+    splits = case.splits[me] if case.splits else None
+    return (OPS[case.field_of(me, "op")], case.field_of(me, "prescale"),
+            case.field_of(me, "root"), splits, where)
+
+
+def _torch_tensor(x: np.ndarray, layout: str):
+    import torch
+    from ringsync.torch._tensors import from_numpy
+    t = from_numpy(np.array(x, copy=True, order="C"))
+    if layout == "strided" and t.dim():
+        base = torch.zeros((t.shape[0] * 2,) + tuple(t.shape[1:]), dtype=t.dtype)
+        base[::2] = t
+        return base[::2]
+    if layout == "transposed" and t.dim() >= 2:
+        return t.T.contiguous().T
+    if layout == "requires_grad" and t.is_floating_point():
+        return t.requires_grad_(True)
+    if layout == "expanded" and t.dim() and t.shape[0]:
+        return t[:1].expand(t.shape)  # (rank_input made the rows alike)
+    return t
+
+
+def _from_torch(t) -> np.ndarray:
+    from ringsync.torch._tensors import to_numpy
+    return to_numpy(t.detach().contiguous(), "test").copy()
+
+
+def _torch_call(case: fz.Case, ctx: RankContext):
+    import ringsync.torch as hvd
+    op, pre, root, splits, where = _framework_args(case, ctx)
+    kw = dict(name=case.name, process_set=where)
+    scale = dict(prescale_factor=pre, postscale_factor=case.postscale)
+    count = case.group if case.call.startswith("grouped") else 1
+    ts = [_torch_tensor(fz.rank_input(case, ctx.rank, i), case.layout) for i in range(count)]
+    t, call = ts[0], case.call
+    if call == "allreduce":
+        out = hvd.allreduce(t, op=op, **scale, **kw)
+    elif call == "allreduce_":
+        out = hvd.allreduce_(t, op=op, **scale, **kw)
+        assert out is t, "allreduce_ did not return its tensor"
+    elif call == "allreduce_async":
+        out = hvd.synchronize(hvd.allreduce_async(t, op=op, **scale, **kw))
+    elif call == "grouped_allreduce":
+        out = hvd.grouped_allreduce(ts, op=op, **scale, **kw)
+    elif call == "allgather":
+        out = hvd.allgather(t, **kw)
+    elif call == "broadcast":
+        out = hvd.broadcast(t, root, **kw)
+    elif call == "broadcast_":
+        out = hvd.broadcast_(t, root, **kw)
+    elif call == "reducescatter":
+        out = hvd.reducescatter(t, op=op, **scale, **kw)
+    elif call == "alltoall":
+        import torch
+        out = hvd.alltoall(t, None if splits is None else torch.tensor(splits), **kw)
+        if splits is not None:
+            out, received = out
+            _check_received(case, ctx, None, received.tolist())
+    else:
+        raise AssertionError(call)
+    outs = out if isinstance(out, list) else [out]
+    return [_from_torch(o) for o in outs], [_from_torch(x) for x in ts]
+
+
+def _tf_call(case: fz.Case, ctx: RankContext):
+    import tensorflow as tf
+    import ringsync.tensorflow as hvd
+    op, pre, root, splits, where = _framework_args(case, ctx)
+    kw = dict(name=case.name, process_set=where)
+    count = case.group if case.call.startswith("grouped") else 1
+    xs = [fz.rank_input(case, ctx.rank, i) for i in range(count)]
+    make = tf.Variable if case.layout == "variable" or case.call == "broadcast_" else tf.constant
+    ts = [make(x) for x in xs]
+    t, call = ts[0], case.call
+    if call == "allreduce":
+        out = hvd.allreduce(t, op=op, prescale_factor=pre, postscale_factor=case.postscale, **kw)
+    elif call == "grouped_allreduce":
+        out = hvd.grouped_allreduce(ts, op=op, prescale_factor=pre,
+                                    postscale_factor=case.postscale, **kw)
+    elif call == "allgather":
+        out = hvd.allgather(t, **kw)
+    elif call == "broadcast":
+        out = hvd.broadcast(t, root, **kw)
+    elif call == "broadcast_":
+        out = hvd.broadcast_(t, root, **kw)
+    elif call == "reducescatter":
+        out = hvd.reducescatter(t, op=op, prescale_factor=pre,
+                                postscale_factor=case.postscale, **kw)
+    elif call == "alltoall":
+        out = hvd.alltoall(t, splits, **kw)
+        if splits is not None:
+            out, received = out
+            _check_received(case, ctx, None, received.numpy().tolist())
+    else:
+        raise AssertionError(call)
+    outs = out if isinstance(out, list) else [out]
+    return [np.asarray(o.numpy()) for o in outs], [np.asarray(x.numpy()) for x in ts]
+
+
+def _jax_call(case: fz.Case, ctx: RankContext):
+    import jax.numpy as jnp
+    import ringsync.jax as hvd
+    op, pre, root, splits, where = _framework_args(case, ctx)
+    kw = dict(name=case.name, process_set=where)
+    count = case.group if case.call.startswith("grouped") else 1
+    xs = [jnp.asarray(fz.rank_input(case, ctx.rank, i)) for i in range(count)]
+    x, call = xs[0], case.call
+    if call == "allreduce":
+        out = hvd.allreduce(x, op=op, prescale_factor=pre, postscale_factor=case.postscale, **kw)
+    elif call == "grouped_allreduce":
+        out = hvd.grouped_allreduce(xs, op=op, prescale_factor=pre,
+                                    postscale_factor=case.postscale, **kw)
+    elif call == "allgather":
+        out = hvd.allgather(x, **kw)
+    elif call == "broadcast":
+        out = hvd.broadcast(x, root, **kw)
+    elif call == "reducescatter":
+        out = hvd.reducescatter(x, op=op, prescale_factor=pre,
+                                postscale_factor=case.postscale, **kw)
+    elif call == "alltoall":
+        out = hvd.alltoall(x, splits, **kw)
+        if splits is not None:
+            out, received = out
+            _check_received(case, ctx, None, np.asarray(received).tolist())
+    else:
+        raise AssertionError(call)
+    outs = out if isinstance(out, list) else [out]
+    return [np.asarray(o) for o in outs], [np.asarray(x) for x in xs]
+
+
+@fuzz_settings(150)
+@given(case=fz.cases(POOLS, api="torch"))
+def test_torch_api(pools, case):
+    pytest.importorskip("torch")
+    _run_case(pools, case, _torch_call)
+
+
+@fuzz_settings(60)
+@given(case=fz.cases(POOLS, api="tf"))
+def test_tensorflow_api(pools, case):
+    pytest.importorskip("tensorflow")
+    _run_case(pools, case, _tf_call)
+
+
+@fuzz_settings(60)
+@given(case=fz.cases(POOLS, api="jax"))
+def test_jax_api(pools, case):
+    pytest.importorskip("jax")
+    _run_case(pools, case, _jax_call)
