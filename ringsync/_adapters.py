@@ -23,6 +23,23 @@ class InstanceNumbers:
         return next(self._counters.setdefault(key, itertools.count()))
 
 
+def checked_on_every_rank(collective: str, name, process_set, check, count=None):
+    """check(): an adapter's own checks of a blocking call, made before the call reaches
+    its communicator. One that fails here must fail the peers' same call too, instead of
+    leaving them waiting for this rank (an op or shape only this rank has wrong): the call
+    is refused on the communicator (Communicator.refuse_call), then the error goes on."""
+    try:
+        return check()
+    except (TypeError, ValueError) as exc:
+        from ._context import resolve  # (not at import: the core may not be built)
+        from .errors import RingsyncError
+        try:
+            resolve(process_set).refuse_call(collective, name, exc, count)
+        except RingsyncError:
+            pass  # (not initialised, or not a member: there are no peers to tell)
+        raise
+
+
 def check_differentiable(op, what: str) -> None:
     """Only Sum and Average have a gradient that is itself a reduction."""
     if ReduceOp(op) not in (ReduceOp.SUM, ReduceOp.AVERAGE):

@@ -59,6 +59,10 @@ def as_input(x, what: str, name: Optional[str]) -> np.ndarray:
 
 def as_output(x, what: str, name: Optional[str]) -> np.ndarray:
     """The array an in-place call writes to: it must be writable and C-contiguous."""
+    if isinstance(x, np.generic):  # (its array would be a copy: the result would be lost)
+        raise UsageError(f"ringsync.{what}: in-place output{describe(name)} is a numpy scalar "
+                         f"({type(x).__name__}), which cannot be changed; pass a 0-d array "
+                         "(np.asarray(x)) or use the out-of-place call")
     arr = _buffer_array(x)
     if arr is None:
         raise UsageError(f"ringsync.{what}: in-place output{describe(name)} must be a numpy "

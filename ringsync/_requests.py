@@ -47,6 +47,13 @@ def output_like(src, out, name):
     if out.dtype != src.dtype or out.shape != src.shape:
         raise UsageError(f"ringsync.allreduce{describe(name)}: out is {out.dtype} "
                          f"{out.shape}, the input {src.dtype} {src.shape}")
+    # The ring writes out while it still reads the input: memory they share must be all
+    # of both (an in-place reduction), not a part (that would read what it wrote).
+    if out is not src and np.may_share_memory(src, out) and \
+            out.ctypes.data != src.ctypes.data:
+        raise UsageError(f"ringsync.allreduce{describe(name)}: out overlaps the input "
+                         "without being the same memory; pass separate arrays, or the input "
+                         "itself for an in-place result")
     return out
 
 

@@ -164,7 +164,7 @@ class NativeRing:
         """None, or (kind, text) for the allgather that tells every rank who failed."""
         if status == lib.RS_OK:
             return None
-        detail = ffi.string(lib.rs_comm_last_error(self.c)).decode() if self.c else ""
+        detail = ffi.string(lib.rs_comm_last_error(self.c)).decode("utf-8", "replace") if self.c else ""
         kind = "usage" if status == lib.RS_ERR_USAGE else "comm"
         return kind, f"rank {self.rank}: {what} failed (status {status}): {detail}"
 
@@ -230,7 +230,7 @@ class NativeRing:
     def start_timeline(self, path, mark_cycles=False):
         if lib.rs_engine_start_timeline(self.engine, str(path).encode(),
                                         1 if mark_cycles else 0) != lib.RS_OK:
-            detail = ffi.string(lib.rs_engine_last_error(self.engine)).decode()
+            detail = ffi.string(lib.rs_engine_last_error(self.engine)).decode("utf-8", "replace")
             raise UsageError(f"ringsync.start_timeline: {detail}")
 
     def stop_timeline(self):

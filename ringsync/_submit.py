@@ -21,6 +21,18 @@ assert all(getattr(lib, name) == code for name, code in STATUS_CODES.items()), \
 _WAIT_SLICE_SECONDS = 0.2  # waits return this often so that Ctrl-C gets through
 
 
+def native_text(c_string) -> str:
+    """An error text of the core. It quotes names cut to a number of bytes ('%.64s'),
+    which may end inside a character: decoded strictly, such a name would raise a
+    UnicodeDecodeError in place of the error."""
+    return ffi.string(c_string).decode("utf-8", "replace")
+
+
+def _is_p2p(kind: int) -> bool:
+    """Messages are named per pair of ranks by the core: one name may go to two peers."""
+    return kind in (lib.RS_KIND_SEND, lib.RS_KIND_RECV)
+
+
 class Handle:
     """A submitted collective. poll() says whether it is done; synchronize() returns its
     result (or raises its error). One handle per tensor, or several for a group."""
@@ -42,7 +54,7 @@ class Handle:
         # go to the submitter, which frees them once the engine has finished.
         if not self._done and self._ids and self._comm is not None:
             try:
-                self._comm._submitter.adopt_orphan(self._ids, self._keep)
+                self._comm._submitter.adopt_orphan(self._ids, self._keep, self.names)
             except Exception:  # interpreter shutdown: the engine is stopped by then
                 pass
 
@@ -190,6 +202,11 @@ class Submitter:
         # Called with each error a collective ends in (not a local refusal), before it is
         # raised: the Communicator leaves its flight records there.
         self.on_failure = None
+        # Names of collectives submitted and not yet synchronized (or dropped and released).
+        # The engine forgets a name once its collective completes, but a rank must not
+        # reuse it before synchronize: where the first had completed on one rank only, the
+        # engine would accept the second there alone, to wait for peers that refused it.
+        self.unsynchronized = set()
 
     # ---- the two entry points ----
 
@@ -201,6 +218,7 @@ class Submitter:
         if self.orphans:
             self.release_finished_orphans()
         n = len(requests)
+        claimed = self._claim([r.name for r in requests if not _is_p2p(r.kind)], what)
         names = [ffi.new("char[]", r.name.encode()) for r in requests]
         structs = ffi.new("rs_request_t[]", n)
         keep = [names] + [fill_struct(s, r) for s, r in zip(structs, requests)]
@@ -208,6 +226,7 @@ class Submitter:
         status = lib.rs_engine_submit(self.ring.engine, ffi.new("const char *[]", names),
                                       structs, n, ids)
         if status != lib.RS_OK:
+            self.unsynchronized.difference_update(claimed)
             self.raise_engine_error(status, what)
         ids = list(ids)
         done = (lambda: finish([self.take_result(i) for i in ids])) if takes else finish
@@ -271,9 +290,11 @@ class Submitter:
         s = self._cache.struct(prepared.key, prepared.like, prepared.name, "allreduce_")
         s.sendbuf = s.recvbuf = ffi.cast("void *", address)
         ids = ffi.new("int64_t[1]")
+        claimed = self._claim((prepared.name,), "allreduce_")
         status = lib.rs_engine_submit(self.ring.engine, self._cache.name(prepared.name)[1], s,
                                       1, ids)
         if status != lib.RS_OK:
+            self.unsynchronized.difference_update(claimed)
             self.raise_engine_error(status, "allreduce_")
         return Handle(comm, [ids[0]], keep, lambda: keep, "allreduce_", [prepared.name])
 
@@ -294,10 +315,23 @@ class Submitter:
         cache = self._cache
         c_name, c_names, _ = cache.names.get(name) or cache.name(name)
         ids = ffi.new("int64_t[1]")
+        claimed = self._claim((name,), what)
         status = lib.rs_engine_submit(self.ring.engine, c_names, struct, 1, ids)
         if status != lib.RS_OK:
+            self.unsynchronized.difference_update(claimed)
             self.raise_engine_error(status, what)
         return Handle(comm, [ids[0]], (send, recv, c_name), lambda: out, what, [name])
+
+    def _claim(self, names, what: str):
+        """names, marked as submitted until synchronized; a UsageError (before anything is
+        submitted) for one that still is."""
+        for name in names:
+            if name in self.unsynchronized:
+                raise UsageError(f"ringsync.{what}: tensor '{name}' is already in flight on "
+                                 f"rank {self.ring.rank}; synchronize it before submitting "
+                                 "the name again")
+        self.unsynchronized.update(names)
+        return names
 
     def refuse(self, names, kind: int, error: Exception, blocking: bool) -> None:
         """A call failed its own checks here (error): make the peers' matching call fail
@@ -340,10 +374,13 @@ class Submitter:
 
     # ---- dropped handles ----
 
-    def adopt_orphan(self, ids, keep):
-        """Keep a dropped pending handle's buffers until the engine is done with them."""
+    def adopt_orphan(self, ids, keep, names=()):
+        """Keep a dropped pending handle's buffers (and its names) until the engine is done
+        with them."""
         if self.ring.engine != ffi.NULL:
-            self.orphans.append((list(ids), keep))
+            self.orphans.append((list(ids), (keep, names)))
+        else:
+            self.unsynchronized.difference_update(names)
 
     def release_finished_orphans(self):
         """Free what dropped handles held, once the engine has finished with it (checked at
@@ -354,6 +391,7 @@ class Submitter:
             if all(lib.rs_engine_poll(engine, h) != 0 for h in ids):
                 for h in ids:
                     lib.rs_engine_release(engine, h)
+                self.unsynchronized.difference_update(keep[1])
             else:
                 self.orphans.append((ids, keep))
 
@@ -382,6 +420,7 @@ class Submitter:
         finally:
             for h in handle._ids:
                 lib.rs_engine_release(engine, h)
+            self.unsynchronized.difference_update(handle.names)
             # (dropping _finish breaks the cycle through closures that name the handle, so
             # the result is freed as soon as the caller lets go of it, not at the next gc)
             handle._done, handle._keep, handle._finish = True, None, None
@@ -400,16 +439,16 @@ class Submitter:
     def _raise_for(self, handle: Handle, statuses):
         for h, name, status in zip(handle._ids, handle.names, statuses):
             if status != lib.RS_OK:
-                detail = ffi.string(lib.rs_engine_handle_error(self.ring.engine, h)).decode()
+                detail = native_text(lib.rs_engine_handle_error(self.ring.engine, h))
                 if not detail:
-                    detail = ffi.string(lib.rs_engine_last_error(self.ring.engine)).decode()
+                    detail = native_text(lib.rs_engine_last_error(self.ring.engine))
                 # A usage error found after submission is one the ranks found together.
                 raise self._noted(error_class(status, MismatchError)(
                     f"ringsync.{handle._what}{describe(name)} failed on rank "
                     f"{self.ring.rank}: {detail}"))
 
     def raise_engine_error(self, status, what, name=None, usage_kind=UsageError):
-        detail = ffi.string(lib.rs_engine_last_error(self.ring.engine)).decode()
+        detail = native_text(lib.rs_engine_last_error(self.ring.engine))
         raise self._noted(error_class(status, usage_kind)(
             f"ringsync.{what}{describe(name)} failed on rank {self.ring.rank}: {detail}"))
 

@@ -136,6 +136,19 @@ static rs_status_t p2p_name(rs_engine_t *e, const char *name, const rs_request_t
     return *out ? RS_OK : rs_error_set(&e->error, RS_ERR_NOMEM, "out of memory");
 }
 
+/* Error texts quote at most this many bytes of a name: names may have RS_MAX_NAME_LEN
+ * bytes, a text RS_ERROR_LEN, and what is wrong must fit after the name. */
+#define QUOTED_NAME_LEN 200
+
+/* name, or its first QUOTED_NAME_LEN bytes and "..." in buf. */
+static const char *quoted(const char *name, char buf[QUOTED_NAME_LEN + 4]) {
+    if (strlen(name) <= QUOTED_NAME_LEN)
+        return name;
+    memcpy(buf, name, QUOTED_NAME_LEN);
+    memcpy(buf + QUOTED_NAME_LEN, "...", 4);
+    return buf;
+}
+
 /* alltoall: splits (when given) are rows per rank, none negative, summing to shape[0]
  * without overflow; otherwise shape[0] must split evenly. */
 static rs_status_t validate_splits(rs_engine_t *e, const char *name, const rs_request_t *r) {
@@ -169,7 +182,10 @@ static rs_status_t validate(rs_engine_t *e, const char *name, const rs_request_t
     if (!name || !*name || strlen(name) > RS_MAX_NAME_LEN)
         return rs_error_set(&e->error, RS_ERR_USAGE, "tensor name '%.64s' must have 1 to %d "
                             "characters", name ? name : "", RS_MAX_NAME_LEN);
-    if (rs_map_get(&e->in_flight, name))
+    char cut[QUOTED_NAME_LEN + 4];
+    int in_flight = rs_map_get(&e->in_flight, name) != NULL;
+    name = quoted(name, cut); /* (from here on, for error texts only) */
+    if (in_flight)
         return rs_error_set(&e->error, RS_ERR_USAGE, "tensor '%s' is already in flight on "
                             "rank %d; synchronize it before submitting the name again", name,
                             e->comm->rank);

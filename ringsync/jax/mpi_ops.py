@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from ringsync._adapters import check_differentiable, grad_name, resolve_op
+from ringsync._adapters import (check_differentiable, checked_on_every_rank, grad_name,
+                                resolve_op)
 from ringsync._context import resolve
 from ringsync.errors import UsageError
 from ringsync.ops import ReduceOp
@@ -306,18 +307,25 @@ def broadcast(tensor, root_rank, name=None, process_set=PS):
     return _differentiable(primal, grad, [x], "broadcast")
 
 
+def _check_scatter(x, op):
+    if op not in (Sum, Average):
+        shown = ReduceOp(op).name.title() if op in set(ReduceOp) else repr(op)
+        raise UsageError(f"ringsync.jax.reducescatter: op must be Sum or Average, not {shown}")
+    if x.ndim == 0:
+        raise UsageError("ringsync.jax.reducescatter: tensor must have a first dimension "
+                         "to scatter (got a 0-d array)")
+
+
 def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=PS,
                   prescale_factor=1.0, postscale_factor=1.0):
     """This rank's rows of tensor reduced over the set (Sum or Average; the first ranks
     take one row more where the rows do not divide). Differentiable: the gradient is the
     gradients allgathered (scaled as the reduction was)."""
-    if ReduceOp(op) not in (Sum, Average):
-        raise UsageError(f"ringsync.jax.reducescatter: op must be Sum or Average, not "
-                         f"{ReduceOp(op).name.title()}")
     (x,) = _arrays([tensor], "reducescatter")
-    if x.ndim == 0:
-        raise UsageError("ringsync.jax.reducescatter: tensor must have a first dimension "
-                         "to scatter (got a 0-d array)")
+    if _traced([x]):  # (at trace time: every rank traces alike)
+        _check_scatter(x, op)
+    else:  # (eagerly a blocking call: where it fails here, the peers' call must fail too)
+        checked_on_every_rank("reducescatter", name, process_set, lambda: _check_scatter(x, op))
     wire, ctx = compression.compress(x)
 
     def grad(g):

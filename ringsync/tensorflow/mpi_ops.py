@@ -31,7 +31,8 @@ from ringsync import basics
 from ringsync import process_sets
 from ringsync._context import resolve
 from ringsync.ops import ReduceOp
-from ringsync._adapters import check_differentiable, grad_name, resolve_op
+from ringsync._adapters import (check_differentiable, checked_on_every_rank, grad_name,
+                                resolve_op)
 from ringsync._requests import even_split
 from ringsync.errors import CommunicationError, MismatchError, RingsyncError, UsageError
 from ringsync.process_sets import global_process_set
@@ -220,10 +221,20 @@ def _allreduce_sparse(slices, op, prescale, postscale, name, process_set):
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
-def _check_adasum(op, process_set, what):
-    if op == Adasum and process_set not in (None, PS):
-        raise UsageError(f"ringsync.tensorflow.{what}: Adasum runs on the global process set "
-                         "only (as Horovod's)")
+def _check_adasum(op, process_set, what, name, count=None):
+    if op != Adasum or process_set in (None, PS):
+        return
+    error = UsageError(f"ringsync.tensorflow.{what}: Adasum runs on the global process set "
+                       "only (as Horovod's)")
+    if not tf.executing_eagerly():  # (at trace time: every rank traces alike)
+        raise error
+
+    def refuse():
+        raise error
+
+    # Eagerly a blocking call: where only this rank asks for Adasum, the peers' call must
+    # fail too instead of waiting for this rank.
+    checked_on_every_rank(what, name, process_set, refuse, count)
 
 
 def allreduce(tensor, average=None, device_dense='', device_sparse='',
@@ -232,7 +243,7 @@ def allreduce(tensor, average=None, device_dense='', device_sparse='',
     """tensor reduced over the ranks of process_set (op=None: Average). IndexedSlices are
     gathered (see _allreduce_sparse). Differentiable for Sum and Average."""
     op = resolve_op(average, op, "tensorflow.allreduce")
-    _check_adasum(op, process_set, "allreduce")
+    _check_adasum(op, process_set, "allreduce", name)
     _check_tensors([tensor], "allreduce")
     name = _name(name, "allreduce")
     if isinstance(tensor, tf.IndexedSlices):
@@ -271,8 +282,9 @@ def grouped_allreduce(tensors, average=None, device_dense='', device_sparse='',
     """A list of tensors reduced as one unit: it starts once every rank has submitted all
     of it. IndexedSlices among them are gathered, as allreduce does."""
     op = resolve_op(average, op, "tensorflow.grouped_allreduce")
-    _check_adasum(op, process_set, "grouped_allreduce")
-    tensors = _check_tensors(list(tensors), "grouped_allreduce")
+    tensors = list(tensors)
+    _check_adasum(op, process_set, "grouped_allreduce", name, len(tensors))
+    tensors = _check_tensors(tensors, "grouped_allreduce")
     if not tensors:
         return []
     name = _name(name, "grouped_allreduce")
