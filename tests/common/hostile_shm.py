@@ -2,11 +2,13 @@
 in the shared-memory setup of transport_shm.c (two barriers over TCP, each rank sending
 hello_t {error, pid}; a segment of its own named after the job, rank and pid; the honest
 rank's segment mapped), so that the honest rank talks to it through the rings. Then it
-writes forged ring counters.
+writes forged ring counters, or (LaneRank) forged posts on the same-host lane of lane.c.
 
 Run as a child process (python -m tests.common.hostile_shm CASE): a ring read or written
 past its end may crash the honest rank, which must fail the test, not pytest. It prints
-the honest rank's outcome and exits 0 when that is the error the case expects."""
+the honest rank's outcome and exits 0 when that is the error the case expects. The lane
+cases (python -m tests.common.hostile_shm lane [CASE ...]) print rank 0's outcome of each
+as a line of JSON, for tests/faults/test_hostile_shm.py to judge."""
 import json
 import mmap
 import os

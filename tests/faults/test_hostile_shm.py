@@ -62,10 +62,6 @@ BROKEN = {
                                               "says operation 3 where",
 }
 
-# ringsync/_submit.py decodes the engine's error text as strict UTF-8: a peer's bytes quoted in
-# it (a name, a refusal's reason) that are not UTF-8 raise UnicodeDecodeError instead.
-NOT_UTF8 = {"name not UTF-8", "refusal without a NUL"}
-
 # case: what rank 0's MismatchError says (the forged post is well formed, but not rank 0's)
 MISMATCHED = {
     "shape larger than the segment": "rank 0 sent [5], rank 1 sent [1099511627776]",
@@ -73,13 +69,10 @@ MISMATCHED = {
     "op Max": "rank 0 sent Sum, rank 1 sent Max",
     "name without a NUL": "rank 1 called allreduce '" + "t" * 100,
     "name hash forged": "rank 0 called allreduce 't', rank 1 called allreduce 't'",
-    "name not UTF-8": "rank 1 called allreduce 't",
-    "refusal without a NUL": "was refused on rank 1",
+    # (bytes that are not UTF-8, quoted as U+FFFD)
+    "name not UTF-8": "rank 1 called allreduce 't\ufffdt\ufffd",
+    "refusal without a NUL": "was refused on rank 1: " + "\ufffd" * 100,
 }
-MISMATCHED_PARAMS = [
-    pytest.param(case, marks=pytest.mark.xfail(strict=True, reason="_submit.py decodes a "
-                                               "peer's quoted bytes strictly"))
-    if case in NOT_UTF8 else case for case in MISMATCHED]
 
 # Forged fields that rank 0 never reads, and the honest staged protocol (the control for the
 # forged `reduced` words): the exact sum of both ranks' inputs
@@ -121,7 +114,7 @@ def test_forged_lane_post_breaks_the_honest_rank_naming_the_peer(lane_outcomes, 
     assert "the communicator is broken" in o["text"], o["text"]
 
 
-@pytest.mark.parametrize("case", MISMATCHED_PARAMS)
+@pytest.mark.parametrize("case", MISMATCHED)
 def test_disagreeing_lane_post_is_a_mismatch_and_the_next_call_works(lane_outcomes, case):
     o = _outcome(lane_outcomes, case)
     assert o.get("mismatch") and MISMATCHED[case] in o["mismatch"], o
