@@ -315,8 +315,33 @@ static rs_status_t wait_for(rs_lane_t *lane, int (*ready)(const rs_lane_t *, uin
     return RS_OK;
 }
 
+/* While this rank waits for operation seq, a peer's word for it (its sequence word, or in a
+ * staged allreduce its `reduced` word) holds seq, an earlier operation of the same slot, or
+ * 0 before the slot's first use: a peer writes operation seq + 2 there only after it has
+ * completed seq + 1, which needs this rank's post of seq + 1, made after this rank completes
+ * seq. (Not so the slot's other word: a peer stages chunk seq + 2 while this rank still
+ * waits for the slices of chunk seq to be reduced.) Any other value was forged, or the
+ * peer's memory corrupted; waiting for it would last until the timeout, or forever. */
+static rs_status_t check_words(rs_lane_t *lane, int (*ready)(const rs_lane_t *, uint64_t),
+                               uint64_t seq) {
+    int reduced = ready == all_reduced; /* (else all_posted) */
+    for (int r = 0; r < lane->comm->size; r++) {
+        const post_t *p = &lane->areas[r]->posts[seq & 1];
+        uint64_t word = __atomic_load_n(reduced ? &p->reduced : &p->seq, __ATOMIC_ACQUIRE);
+        if (r != lane->comm->rank && (word > seq || (word != 0 && (word & 1) != (seq & 1))))
+            return rs_error_set(&lane->error, RS_ERR_COMM, "rank %d: rank %d's %s word on the "
+                                "shared-memory lane says operation %llu where this rank waits "
+                                "for operation %llu: rank %d wrote it, or corrupted its memory; "
+                                "the communicator is broken", lane->comm->rank, r,
+                                reduced ? "reduced" : "sequence", (unsigned long long)word,
+                                (unsigned long long)seq, r);
+    }
+    return RS_OK;
+}
+
 /* Sleep in slices until ready(lane, seq); between slices, look at the engine's failure,
- * the communicator, the peers' sockets, and the stall and timeout deadlines. */
+ * the communicator, the peers' sockets, their words for seq (check_words), and the stall
+ * and timeout deadlines. */
 static rs_status_t wait_slices(rs_lane_t *lane, int (*ready)(const rs_lane_t *, uint64_t),
                                uint64_t seq, const waiting_t *w, double start) {
     double abort_seen = 0;
@@ -328,6 +353,7 @@ static rs_status_t wait_slices(rs_lane_t *lane, int (*ready)(const rs_lane_t *, 
                                * down (or died) since `ready` was read: what it posted
                                * still completes this call here. */
             return ready(lane, seq) ? RS_OK : blocked;
+        RS_CHECK(check_words(lane, ready, seq));
         if (!stall_reported && now - start >= lane->stall_seconds) {
             report_stall(lane, seq, w->name, w->kind, now - start);
             stall_reported = 1;
@@ -341,20 +367,59 @@ static rs_status_t wait_slices(rs_lane_t *lane, int (*ready)(const rs_lane_t *, 
 
 /* ---- one operation ---- */
 
-/* A peer's post is read as untrusted: its metadata must be well formed before anything
- * formats or sizes from it (every rank reads the same posts and finds the same). */
-static rs_status_t check_well_formed(rs_lane_t *lane, uint64_t seq) {
-    rs_error_t why;
+/* Every post's flags and metadata, read once: a peer may rewrite its post while this rank
+ * checks it, so what is checked is what is used (a second read could, say, find ndim 9
+ * where the first found 1, and format dimensions past the shape). */
+typedef struct {
+    rs_meta_t *metas; /* per rank */
+    int32_t *flags;
+} snapshot_t;
+
+static int take_snapshot(const rs_lane_t *lane, uint64_t seq, snapshot_t *s) {
+    size_t ranks = (size_t)(unsigned)lane->comm->size; /* (at least two: the lane needs a peer) */
+    s->metas = calloc(ranks, sizeof *s->metas);
+    s->flags = calloc(ranks, sizeof *s->flags);
+    if (!s->metas || !s->flags)
+        return 0;
     for (int r = 0; r < lane->comm->size; r++) {
         const post_t *p = &lane->areas[r]->posts[seq & 1];
-        if (rs_meta_check(&p->meta, lane->comm->size, &why, NULL, NULL) != RS_OK)
-            return rs_error_set(&lane->error, RS_ERR_USAGE, "rank %d posted a malformed blocking "
-                                "collective: %s", r, why.text);
+        memcpy(&s->metas[r], &p->meta, sizeof s->metas[r]);
+        s->flags[r] = __atomic_load_n(&p->flags, __ATOMIC_RELAXED);
+    }
+    return 1;
+}
+
+static void free_snapshot(snapshot_t *s) {
+    free(s->metas);
+    free(s->flags);
+}
+
+/* A post no honest rank makes: the peer wrote it, or corrupted its memory. As a malformed
+ * negotiation message does (negotiate.c), it breaks the communicator, naming the peer. */
+static rs_status_t malformed_post(rs_lane_t *lane, int r, const char *why) {
+    return rs_error_set(&lane->error, RS_ERR_COMM, "rank %d: malformed post on the "
+                        "shared-memory lane from rank %d (%s); the communicator is broken",
+                        lane->comm->rank, r, why);
+}
+
+/* A peer's post is read as untrusted: its flags must be one that post_flags or a refusal
+ * gives, and its metadata well formed (submit.c checks a rank's own before it posts), before
+ * anything formats or sizes from them (every rank reads the same posts and finds the same). */
+static rs_status_t check_well_formed(rs_lane_t *lane, const snapshot_t *s) {
+    rs_error_t why;
+    for (int r = 0; r < lane->comm->size; r++) {
+        int32_t f = s->flags[r];
+        if (f != POST_DATA && f != POST_USE_ENGINE && f != POST_STAGED && f != POST_REFUSED) {
+            snprintf(why.text, sizeof why.text, "flags %d", (int)f);
+            return malformed_post(lane, r, why.text);
+        }
+        if (rs_meta_check(&s->metas[r], lane->comm->size, &why, NULL, NULL) != RS_OK)
+            return malformed_post(lane, r, why.text);
     }
     return RS_OK;
 }
 
-static rs_status_t check_names(rs_lane_t *lane, uint64_t seq) {
+static rs_status_t check_names(rs_lane_t *lane, uint64_t seq, const snapshot_t *s) {
     const post_t *first = &lane->areas[0]->posts[seq & 1];
     for (int r = 1; r < lane->comm->size; r++) {
         const post_t *p = &lane->areas[r]->posts[seq & 1];
@@ -363,35 +428,28 @@ static rs_status_t check_names(rs_lane_t *lane, uint64_t seq) {
             return rs_error_set(&lane->error, RS_ERR_USAGE, "Mismatched blocking collectives: "
                                 "rank 0 called %s '%.*s', rank %d called %s '%.*s' (every rank "
                                 "must make blocking collectives in the same order)",
-                                rs_kind_name(first->meta.kind), RS_MAX_NAME_LEN, first->name, r,
-                                rs_kind_name(p->meta.kind), RS_MAX_NAME_LEN, p->name);
+                                rs_kind_name(s->metas[0].kind), RS_MAX_NAME_LEN, first->name, r,
+                                rs_kind_name(s->metas[r].kind), RS_MAX_NAME_LEN, p->name);
     }
     return RS_OK;
 }
 
 /* The engine's agreement check (the same words as for its own requests). */
-static rs_status_t check_metas(rs_lane_t *lane, uint64_t seq) {
+static rs_status_t check_metas(rs_lane_t *lane, uint64_t seq, const snapshot_t *s) {
     int size = lane->comm->size;
-    size_t ranks = (size_t)(unsigned)size; /* (at least two: the lane needs a peer) */
-    rs_meta_t *metas = calloc(ranks, sizeof *metas);
-    unsigned char *submitted = malloc(ranks);
-    rs_status_t st = RS_OK;
-    if (!metas || !submitted)
-        RS_CHECK_GOTO(rs_error_set(&lane->error, RS_ERR_USAGE, "rank %d: out of memory",
-                                   lane->comm->rank), st, out);
-    for (int r = 0; r < size; r++) {
-        metas[r] = lane->areas[r]->posts[seq & 1].meta;
-        submitted[r] = 1;
-    }
+    unsigned char *submitted = malloc((size_t)(unsigned)size);
+    if (!submitted)
+        return rs_error_set(&lane->error, RS_ERR_USAGE, "rank %d: out of memory",
+                            lane->comm->rank);
+    memset(submitted, 1, (size_t)(unsigned)size);
     char name[RS_MAX_NAME_LEN + 1];
     snprintf(name, sizeof name, "%.*s", RS_MAX_NAME_LEN, lane->areas[0]->posts[seq & 1].name);
-    rs_pending_t p = {.name = name, .metas = metas, .submitted = submitted, .count = size};
+    rs_pending_t p = {.name = name, .metas = s->metas, .submitted = submitted, .count = size};
     char *message = rs_check_agreement(&p, size);
+    rs_status_t st = RS_OK;
     if (message)
         st = rs_error_set(&lane->error, RS_ERR_USAGE, "%s", message);
     free(message);
-out:
-    free(metas);
     free(submitted);
     return st;
 }
@@ -399,27 +457,38 @@ out:
 /* A rank that refused the call (rs_lane_refuse) fails it on every rank: the first such
  * rank is named with its reason (its own bytes: at most REFUSAL_TEXT_MAX of them, up to a
  * NUL, are quoted). */
-static rs_status_t check_refusals(rs_lane_t *lane, uint64_t seq) {
+static rs_status_t check_refusals(rs_lane_t *lane, uint64_t seq, const snapshot_t *s) {
     for (int r = 0; r < lane->comm->size; r++) {
         const post_t *p = &lane->areas[r]->posts[seq & 1];
-        if (!(__atomic_load_n(&p->flags, __ATOMIC_RELAXED) & POST_REFUSED))
+        if (s->flags[r] != POST_REFUSED)
             continue;
         const char *end = memchr(p->data, '\0', REFUSAL_TEXT_MAX);
         int len = end ? (int)(end - p->data) : REFUSAL_TEXT_MAX;
         return rs_error_set(&lane->error, RS_ERR_USAGE, "blocking %s '%.*s' was refused on rank "
-                            "%d: %.*s", rs_kind_name(p->meta.root), 200, p->name, r,
+                            "%d: %.*s", rs_kind_name(s->metas[r].root), 200, p->name, r,
                             len, p->data);
     }
     return RS_OK;
 }
 
-/* RS_OK if every rank posted the same well-formed tensor, else RS_ERR_USAGE with the
- * lane's record naming ranks and values. */
+/* RS_OK if every rank posted the same well-formed tensor; else RS_ERR_COMM for a malformed
+ * post, RS_ERR_USAGE for a disagreement, with the lane's record naming ranks and values. */
 static rs_status_t check_posts(rs_lane_t *lane, uint64_t seq) {
-    RS_CHECK(check_refusals(lane, seq));
-    RS_CHECK(check_well_formed(lane, seq));
-    RS_CHECK(check_names(lane, seq));
-    return check_metas(lane, seq);
+    snapshot_t s;
+    rs_status_t st = RS_OK;
+    if (!take_snapshot(lane, seq, &s))
+        st = rs_error_set(&lane->error, RS_ERR_USAGE, "rank %d: out of memory",
+                          lane->comm->rank);
+    if (st == RS_OK)
+        st = check_well_formed(lane, &s);
+    if (st == RS_OK)
+        st = check_refusals(lane, seq, &s);
+    if (st == RS_OK)
+        st = check_names(lane, seq, &s);
+    if (st == RS_OK)
+        st = check_metas(lane, seq, &s);
+    free_snapshot(&s);
+    return st;
 }
 
 static rs_status_t reduce_posts(rs_lane_t *lane, uint64_t seq, const rs_meta_t *meta,
