@@ -113,14 +113,21 @@ CASES = {"head": _head_far_ahead, "tail": _tail_far_ahead}
 
 
 def run(case: str):
+    done = threading.Event()
+
     def hostile(peer):
         shm = ShmRank(peer)
         CASES[case](shm)
-        time.sleep(0.5)  # (the honest rank reads the counters, then we close)
+        # Closing before the honest rank has read the counters would end its call with "was
+        # closed" instead (seen once under load after a fixed half-second wait).
+        done.wait(DONE_WAIT_S)
 
     def honest(comm):
-        assert comm.transport == "shm", comm.transport
-        return comm.allreduce(np.arange(4.0), name="t")
+        try:
+            assert comm.transport == "shm", comm.transport
+            return comm.allreduce(np.arange(4.0), name="t")
+        finally:
+            done.set()
 
     return hp.run_with_hostile(honest, hostile, size=2, env=ENV, timeout=60)
 
