@@ -53,6 +53,7 @@ class Impostor:
         self.sock = client(address, port, first)
         self.challenge = b""
         self.kept = None
+        self.answered = threading.Event()  # set once the answer is sent (or cannot be)
         self.thread = threading.Thread(target=self._run, args=(answer,), daemon=True)
         self.thread.start()
 
@@ -61,9 +62,12 @@ class Impostor:
             self.challenge = recv_exact(self.sock, CHALLENGE_BYTES)
             if len(self.challenge) == CHALLENGE_BYTES:
                 self.sock.sendall(answer(self.challenge))
+                self.answered.set()
                 self.kept = self.sock.recv(1) != b""
         except OSError as e:
             self.kept = isinstance(e, TimeoutError)  # still connected, never dropped
+        finally:
+            self.answered.set()
 
     def result(self):
         """Whether the acceptor kept the connection, once it sent a challenge."""

@@ -13,6 +13,8 @@ with the one-process tests of the handshake itself (replay, reflection, wrong se
 rogue listener) in tests/unit/test_auth.py."""
 import os
 import re
+import tempfile
+import threading
 import time
 
 import numpy as np
@@ -22,7 +24,7 @@ import ringsync as rs
 from ringsync import bootstrap
 from ringsync.testing import assert_mpi_ok
 
-from .rogue_clients import HELLO, PROOF_BYTES, Impostor, client, hello
+from .rogue_clients import HELLO, PROOF_BYTES, WAIT_S, Impostor, client, hello
 
 pytestmark = pytest.mark.requires_mpirun
 
@@ -110,17 +112,46 @@ def test_rogue_clients_neither_stall_nor_fail_init(np, transport):
     assert "timed out" not in result.output, result.report()
 
 
+def _answered_marker(job_id) -> str:
+    return os.path.join(tempfile.gettempdir(), f"ringsync-impostors-answered-{job_id:x}")
+
+
+def _mark_when_answered(impostors, job_id):
+    """Rank 0: once both impostors have answered their challenges, say so in a file the
+    other ranks wait for before they dial (rank 0 itself is inside the native connect)."""
+    def mark():
+        for impostor in impostors:
+            impostor.answered.wait(WAIT_S)
+        open(_answered_marker(job_id), "w").close()
+    threading.Thread(target=mark, daemon=True).start()
+
+
+def _dial_after_the_impostors(original_job_keys):
+    """Ranks 1 and 2: the keys, then a wait for rank 0's impostors to have answered. Were
+    the real ranks to connect first, setup would end with an impostor's proof unread
+    ("did not complete the greeting before setup finished"; seen once under load)."""
+    def job_keys(self):
+        keys = original_job_keys(self)
+        marker = _answered_marker(keys.job_id)
+        deadline = time.monotonic() + WAIT_S
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return keys
+    return job_keys
+
+
 def impostors_with_the_job_id_are_rejected():
     """Two impostors that know the public job id greet rank 0 first, one as rank 2 with a
     guessed proof, one as rank 1 answering with rank 0's own MAC (a reflection): both get
-    a challenge, neither is taken for a rank; the real ranks connect and the ring works."""
+    a challenge, neither is taken for a rank; the real ranks connect (once both impostors
+    have answered) and the ring works."""
+    from ringsync.rendezvous import Rendezvous
     listeners = {}
     impostors = []
     _when_ports_known(lambda addresses, ports: listeners.update(address=addresses[0],
                                                                   port=ports[0]))
+    original_new, original_job_keys = bootstrap.JobKeys.new, Rendezvous.job_keys
     if _world().rank == 0:
-        original_new = bootstrap.JobKeys.new
-
         def new(cls):
             keys = original_new()
             # Before the broadcast of the keys: no real peer can have dialled yet.
@@ -129,13 +160,20 @@ def impostors_with_the_job_id_are_rejected():
                                       lambda challenge: os.urandom(PROOF_BYTES)))
             impostors.append(Impostor(*target, hello(1, 0, keys.job_id),
                                       lambda challenge: challenge[16:]))
+            for impostor in impostors:
+                impostor.job_id = keys.job_id
+            _mark_when_answered(impostors, keys.job_id)
             return keys
         bootstrap.JobKeys.new = classmethod(new)
+    else:
+        Rendezvous.job_keys = _dial_after_the_impostors(original_job_keys)
     try:
         _init_and_check("impostors at rank 0")
     finally:
-        if _world().rank == 0:
-            bootstrap.JobKeys.new = original_new
+        bootstrap.JobKeys.new, Rendezvous.job_keys = original_new, original_job_keys
+    _world().Barrier()  # (every rank has seen the marker)
+    if impostors:
+        os.remove(_answered_marker(impostors[0].job_id))
     for impostor in impostors:
         assert impostor.result() is False, "an impostor's connection was kept"
     rs.shutdown()
