@@ -75,6 +75,27 @@ def segment_files(pid: int) -> List[str]:
     return sorted(n for n in names if (m := SEGMENT.fullmatch(n)) and int(m.group(1)) == pid)
 
 
+def orphaned_segments() -> List[str]:
+    """ringsync segments in /dev/shm whose maker is no longer running: leaked. (A segment
+    of a live process may belong to another job on this machine, still in use.)"""
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    return sorted(n for n in names
+                  if (m := SEGMENT.fullmatch(n)) and not _running(int(m.group(1))))
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # (another user's process: running)
+    return True
+
+
 def mapped_segments() -> int:
     """Distinct ringsync segments mapped into this process (unlinked ones included)."""
     seen = set()

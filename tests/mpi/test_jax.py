@@ -22,31 +22,23 @@ ENV = {"RINGSYNC_TIMEOUT_SECONDS": "60", "OMP_NUM_THREADS": "1", "JAX_PLATFORMS"
 
 
 @pytest.mark.parametrize("np", [1, 2, 3])
-def test_collective_matrix_eager_and_jitted(np):
-    assert_mpi_ok(in_order.run, np=np, timeout=400, env=ENV,
-                  args=in_order.args_for(MODULE, ["collective_matrix"],
-                                         [("eager",), ("jit",)]))
+def test_collectives_gradients_training_errors_and_checkpoints(np, tmp_path):
+    """One job per rank count (each rank imports JAX once): the collective matrix eager
+    and jitted, Horovod's gradient rules, training against one process, errors that leave
+    the next step working, and checkpoints of pytrees."""
+    matrix = in_order.args_for(MODULE, ["collective_matrix"], [("eager",), ("jit",)])
+    rest = in_order.args_for(MODULE, ["gradients_by_horovods_rules",
+                                      "errors_leave_the_next_step_working",
+                                      "training_matches_one_process:float64",
+                                      "training_matches_one_process:float32",
+                                      f"checkpoints_of_pytrees:{tmp_path}"])
+    assert_mpi_ok(in_order.run, np=np, timeout=600, env=ENV, args=in_order.chain(matrix, rest))
 
 
 def test_jitted_collective_matrix_through_python_callbacks():
     """RINGSYNC_JAX_FFI=0: every traced collective an ordered io_callback."""
     assert_mpi_ok(in_order.run, np=2, timeout=400, env=dict(ENV, RINGSYNC_JAX_FFI="0"),
                   args=in_order.args_for(MODULE, ["collective_matrix"], [("jit",)]))
-
-
-@pytest.mark.parametrize("np", [1, 2, 3])
-def test_gradients_training_and_errors(np):
-    assert_mpi_ok(in_order.run, np=np, timeout=400, env=ENV,
-                  args=in_order.args_for(MODULE, ["gradients_by_horovods_rules",
-                                                  "errors_leave_the_next_step_working",
-                                                  "training_matches_one_process:float64",
-                                                  "training_matches_one_process:float32"]))
-
-
-@pytest.mark.parametrize("np", [1, 2, 3])
-def test_checkpoints_of_pytrees(np, tmp_path):
-    assert_mpi_ok(in_order.run, np=np, timeout=300, env=ENV,
-                  args=in_order.args_for(MODULE, [f"checkpoints_of_pytrees:{tmp_path}"]))
 
 
 def test_unordered_collectives_pair_up_with_xlas_own_threads():

@@ -48,9 +48,9 @@ def test_collective_matrix_under_mpirun(np_, tmp_path):
                   args=(str(tmp_path / "rendezvous"),), env={"OMP_NUM_THREADS": "1"})
 
 
-def test_a_late_rank_is_a_dist_backend_error_within_the_timeout():
+def test_a_late_rank_is_a_dist_backend_error_within_the_timeout(tmp_path):
     """...and ringsync's stall report names it first, as for its own collectives."""
-    status, output = torchrun(2, "ringsync", "late_rank_times_out",
+    status, output = torchrun(2, "ringsync", "late_rank_times_out", str(tmp_path / "left"),
                               env={"RINGSYNC_STALL_CHECK_SECONDS": "1"})
     assert status == 0, output
     assert "--- rank 0 raised DistBackendError after" in output, output

@@ -467,16 +467,19 @@ def under_mpirun(path):
     ringsync.shutdown()
 
 
-def late_rank_times_out(backend):
-    """Rank 1 comes 20 s late to an all_reduce; with a 4 s group timeout every waiting
-    rank gets torch's DistBackendError (not a hang), naming the rank that did not come."""
+def late_rank_times_out(backend, marker):
+    """Rank 1 comes late to an all_reduce: it waits until rank 0 has left the call (the
+    marker file rank 0 writes), up to 60 s; with a 4 s group timeout every waiting rank
+    gets torch's DistBackendError (not a hang), naming the rank that did not come."""
     import time
     from datetime import timedelta
     dist.init_process_group(backend, timeout=timedelta(seconds=4))
     rank = dist.get_rank()
     if rank == 1:
-        time.sleep(20)
-        print("--- rank 1 done sleeping", flush=True)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        print("--- rank 1 done waiting", flush=True)
         return
     start = time.monotonic()
     try:
@@ -487,6 +490,8 @@ def late_rank_times_out(backend):
         assert waited < 15, waited
         assert "1" in str(exc), exc
         return
+    finally:
+        open(marker, "w").close()
     raise AssertionError(f"rank {rank}: all_reduce returned without rank 1")
 
 
@@ -638,4 +643,4 @@ def user_code(backend):
 
 if __name__ == "__main__":
     program = globals()[sys.argv[2]] if len(sys.argv) > 2 else under_torchrun
-    program(sys.argv[1])
+    program(sys.argv[1], *sys.argv[3:])
