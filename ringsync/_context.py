@@ -36,8 +36,8 @@ def resolve(process_set=None) -> Communicator:
     """The communicator a call runs on: `process_set` when given (a ProcessSet, or a
     Communicator: whatever takes one takes the other), else the job's default one."""
     if process_set is None:
-        comm = default()
-        if comm is None:
+        comm = JOB.default  # (default(), inline: every collective comes here)
+        if comm is None or comm.closed:
             raise NotInitializedError("ringsync has not been initialized; call ringsync.init() "
                                       "first")
         return comm

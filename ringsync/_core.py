@@ -17,14 +17,15 @@ from typing import Optional
 import numpy as np
 
 from . import _observe
-from ._arrays import as_output, describe
+from ._allreduce import AllreduceCollectives
+from ._arrays import describe
 from ._grouped import GroupedCollectives
 from ._native import ffi, lib
 from ._p2p import PointToPoint
-from ._requests import (IN_PLACE, Call, allgather_request, allreduce_buffers, alltoall_request,
-                        broadcast_request, even_split, reducescatter_request)
+from ._requests import (Call, allgather_request, alltoall_request, broadcast_request,
+                        even_split, reducescatter_request)
 from ._ring import NativeRing
-from ._submit import Handle, PreparedAllreduce, Submitter, make_request
+from ._submit import Handle, Submitter, make_request
 from ._timeline import Timeline
 from .config import Config
 from .engine_settings import Settings
@@ -73,7 +74,8 @@ def _topology(field: str):
     return get
 
 
-class Communicator(GroupedCollectives, PointToPoint, _observe.JobInsight):
+class Communicator(AllreduceCollectives, GroupedCollectives, PointToPoint,
+                   _observe.JobInsight):
     """A ring of ranks, with its engine, built over a rendezvous: an mpi4py
     intracommunicator (MPI.COMM_WORLD by default) or any ringsync.rendezvous.Rendezvous
     (ranks that are threads of one process, for tests). Several can exist in one process.
@@ -244,66 +246,6 @@ class Communicator(GroupedCollectives, PointToPoint, _observe.JobInsight):
             return  # (a name no rank can use: every rank refuses it alike)
         names = [first] if count is None else [f"{first}.{i}" for i in range(count)]
         self._submitter.refuse(names, kind, error, blocking=blocking)
-
-    # ---- allreduce ----
-
-    def _allreduce_args(self, x, out, op, prescale, postscale, name, what, blocking):
-        """(src, out, name, op code, prescale, postscale, what) of an allreduce, checked
-        (out: see allreduce_buffers)."""
-        name = self._name(name, "allreduce")
-        try:  # (inline, not _checked: this is every allreduce's path)
-            src, out = (as_output(x, what, name),) * 2 if out is IN_PLACE else \
-                allreduce_buffers(x, out, what, name)  # (in place: the common case, inline)
-            code, prescale, postscale = as_op(op, what), float(prescale), float(postscale)
-        except (TypeError, ValueError) as exc:
-            self._submitter.refuse([name], lib.RS_KIND_ALLREDUCE, exc, blocking)
-            raise
-        return src, out, name, code, prescale, postscale, what
-
-    def allreduce(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
-                  name=None):
-        """x reduced over all ranks, in a new array."""
-        return self._submitter.run_allreduce(self, *self._allreduce_args(
-            x, None, op, prescale_factor, postscale_factor, name, "allreduce", True))
-
-    def allreduce_(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
-                   name=None):
-        """Reduce x in place; returns x's array."""
-        return self._submitter.run_allreduce(self, *self._allreduce_args(
-            x, IN_PLACE, op, prescale_factor, postscale_factor, name, "allreduce_", True))
-
-    def allreduce_into(self, x, out, op=ReduceOp.AVERAGE, prescale_factor=1.0,
-                       postscale_factor=1.0, name=None):
-        """allreduce() into memory the caller gives (out: a writable C-contiguous array of
-        x's dtype and shape, not overlapping x); returns out. For adapters that hand the
-        result to a framework which adopts only memory it likes (aligned, say)."""
-        if out is None or out is IN_PLACE:
-            raise UsageError("ringsync.allreduce_into: out must be an array")
-        return self._submitter.run_allreduce(self, *self._allreduce_args(
-            x, out, op, prescale_factor, postscale_factor, name, "allreduce", True))
-
-    def allreduce_async(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
-                        name=None) -> Handle:
-        """Start reducing x over all ranks into a new array; synchronize returns it."""
-        return self._submitter.start_allreduce(self, *self._allreduce_args(
-            x, None, op, prescale_factor, postscale_factor, name, "allreduce", False))
-
-    def allreduce_async_(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
-                         name=None) -> Handle:
-        """Start reducing x in place; synchronize returns x's array."""
-        return self._submitter.start_allreduce(self, *self._allreduce_args(
-            x, IN_PLACE, op, prescale_factor, postscale_factor, name, "allreduce_", False))
-
-    def prepare_allreduce_(self, name: str, like, op=ReduceOp.AVERAGE, prescale_factor=1.0,
-                           postscale_factor=1.0) -> PreparedAllreduce:
-        """Everything about an in-place allreduce on this communicator but the memory,
-        checked once: prepared.start(address, keep) then submits it from the same request
-        cache as every allreduce (a DistributedOptimizer starts every gradient of every
-        step this way). like: an array with the tensor's dtype and shape."""
-        like = np.asarray(like)
-        return self._submitter.prepare_allreduce_(self, str(name), like,
-                                                  as_op(op, "allreduce_"),
-                                                  prescale_factor, postscale_factor)
 
     # ---- allgather ----
 

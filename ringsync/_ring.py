@@ -10,7 +10,10 @@ import dataclasses
 import os
 import socket
 
+import numpy as np
+
 from . import _observe, addresses, bootstrap
+from ._fastcall import Lane as FastLane
 from ._native import ffi, lib
 from .config import Config, hierarchical_mode
 from .errors import CommunicationError, UsageError
@@ -46,8 +49,10 @@ class NativeRing:
         except UsageError as e:
             self.config, self._setup_error = Config(), ("usage", f"rank {self.rank}: {e}")
         self.c = ffi.NULL
+        self.closed = True  # (an attribute, not a test of c: every call reads it)
         self.engine = ffi.NULL
         self.lane = False
+        self.fast_lane = None  # a FastLane (native/python/fastcall.c) while the engine has a lane
         self.observer = None
         self._job_id = 0
         try:
@@ -117,6 +122,7 @@ class NativeRing:
                                     self.config.timeout_seconds,
                                     self.config.start_timeout_seconds, cptr, port)
         self.c = cptr[0]
+        self.closed = self.c == ffi.NULL
         if status == lib.RS_OK:
             status = lib.rs_comm_set_transport(self.c, mode)
         me = dataclasses.replace(me, address=advertised, port=port[0])
@@ -156,6 +162,10 @@ class NativeRing:
                 f"ringsync.init: {self._error_text(status, 'starting the engine')[1]}")
         self.engine = eptr[0]
         self.lane = bool(lib.rs_engine_has_lane(self.engine))
+        if self.lane:  # (small blocking allreduces go straight there: native/python/fastcall.c)
+            self.fast_lane = FastLane(
+                int(ffi.cast("uintptr_t", self.engine)),
+                int(ffi.cast("uintptr_t", ffi.addressof(lib, "rs_engine_try_lane"))), np.ndarray)
         self.observer = _observe.Observer(self, self._job_id)
 
     # ---- errors while building ----
@@ -194,10 +204,6 @@ class NativeRing:
     # ---- state and teardown ----
 
     @property
-    def closed(self) -> bool:
-        return self.c == ffi.NULL
-
-    @property
     def broken(self) -> bool:
         return self.c != ffi.NULL and lib.rs_comm_is_broken(self.c) != 0
 
@@ -216,6 +222,9 @@ class NativeRing:
     def destroy(self):
         """Free the engine (joining its thread: no buffer is in use after) and the ring."""
         self.lane = False
+        if self.fast_lane is not None:
+            self.fast_lane.close()
+            self.fast_lane = None
         if self.observer is not None:
             self.observer.stop()  # (its thread reads the engine)
             self.observer = None
@@ -226,6 +235,7 @@ class NativeRing:
         if self.c != ffi.NULL:
             lib.rs_comm_destroy(self.c)
             self.c = ffi.NULL
+            self.closed = True
 
     def start_timeline(self, path, mark_cycles=False):
         if lib.rs_engine_start_timeline(self.engine, str(path).encode(),

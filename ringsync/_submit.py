@@ -217,6 +217,7 @@ class Submitter:
         (data, rows, splits), in order)."""
         if self.orphans:
             self.release_finished_orphans()
+        self._refuse_if_closed(what)
         n = len(requests)
         claimed = self._claim([r.name for r in requests if not _is_p2p(r.kind)], what)
         names = [ffi.new("char[]", r.name.encode()) for r in requests]
@@ -253,16 +254,21 @@ class Submitter:
         return self._submit_struct(comm, struct, src, out, name, what)
 
     def run_allreduce(self, comm, src: np.ndarray, out: np.ndarray, name: str, op: int,
-                      prescale: float, postscale: float, what: str):
+                      prescale: float, postscale: float, what: str, lane: bool = True):
         """run() for an allreduce of src into out, through the request cache: returns out.
-        (Every blocking allreduce comes here: the cache lookups are inlined.)"""
+        (Every blocking allreduce the lane's native entry did not take comes here: the
+        cache lookups are inlined.) lane=False: the call was posted on the lane already,
+        and every rank found that the engine must run it."""
         if self.orphans:
             self.release_finished_orphans()
         cache = self._cache
         struct = cache.structs.get((src.dtype, src.shape, op, prescale, postscale, True))
         if struct is None:
             struct = self._cached_struct(src, name, op, prescale, postscale, what, True)
-        if self.ring.lane and not self.ring.closed:
+        if lane and self.ring.lane and not self.ring.closed:
+            # (the native entry takes calls like this one from now on)
+            self.ring.fast_lane.remember(src, op, prescale, postscale,
+                                         int(ffi.cast("uintptr_t", struct)))
             struct.sendbuf = ffi.from_buffer(src)
             struct.recvbuf = struct.sendbuf if out is src else ffi.from_buffer(out)
             names = cache.names.get(name) or cache.name(name)
@@ -309,6 +315,7 @@ class Submitter:
             raise
 
     def _submit_struct(self, comm, struct, src, out, name, what) -> Handle:
+        self._refuse_if_closed(what)
         send = ffi.from_buffer(src)
         recv = send if out is src else ffi.from_buffer(out)
         struct.sendbuf, struct.recvbuf = send, recv
@@ -321,6 +328,11 @@ class Submitter:
             self.unsynchronized.difference_update(claimed)
             self.raise_engine_error(status, what)
         return Handle(comm, [ids[0]], (send, recv, c_name), lambda: out, what, [name])
+
+    def _refuse_if_closed(self, what: str) -> None:
+        """A call on a communicator that has been shut down (its engine is freed)."""
+        if self.ring.closed:
+            raise UsageError(f"ringsync.{what}: the communicator has been shut down")
 
     def _claim(self, names, what: str):
         """names, marked as submitted until synchronized; a UsageError (before anything is
@@ -348,6 +360,7 @@ class Submitter:
 
     def run_tune(self, comm, name: str, values) -> None:
         """A tune request (RS_KIND_TUNE), waited for: the settings travel as its shape."""
+        self._refuse_if_closed("tune")
         struct = ffi.new("rs_request_t *")
         struct.kind, struct.start_now, struct.ndim = lib.RS_KIND_TUNE, 1, len(values)
         struct.shape[0:len(values)] = values

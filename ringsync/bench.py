@@ -92,10 +92,13 @@ def worker(args):
         return
     basics.init()
     rows = []
+    # (the ops looked up once, for both libraries: an IntEnum member's lookup costs 0.1 us
+    # on Python 3.11, a tenth of a 4-byte allreduce, and is not the library's time)
+    rs_sum, mpi_sum, in_place = ReduceOp.SUM, MPI.SUM, MPI.IN_PLACE
     for size in sizes_between(args.min_size, args.max_size):
         buf = np.full(size // 4, basics.rank() + 1.0, dtype=np.float32)
-        rs_time = _time_calls(lambda: rs.allreduce_(buf, op=ReduceOp.SUM), args.seconds, comm)
-        mpi_time = _time_calls(lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM),
+        rs_time = _time_calls(lambda: rs.allreduce_(buf, op=rs_sum), args.seconds, comm)
+        mpi_time = _time_calls(lambda: comm.Allreduce(in_place, buf, op=mpi_sum),
                                args.seconds, comm)
         copy = np.empty_like(buf)
         copy_time = _time_calls(lambda: np.copyto(copy, buf), args.seconds, comm)
@@ -188,28 +191,34 @@ FUSED_TENSOR_BYTES = 4 << 10
 
 
 def engine_figures(rs, comm, seconds):
-    """What the engine adds: many small asynchronous tensors against one allreduce of their
-    concatenation, and the latency floor of a lone 4-byte synchronous allreduce."""
+    """What the engine adds: many small asynchronous tensors, submitted one call each or in
+    one batch (a grouped call: one native submission), against one allreduce of their
+    concatenation; and the latency floor of a lone 4-byte synchronous allreduce."""
     import numpy as np
 
     MPI = _mpi()
+    rs_sum, mpi_sum, in_place = ReduceOp.SUM, MPI.SUM, MPI.IN_PLACE
     smalls = [np.full(FUSED_TENSOR_BYTES // 4, 1.0, np.float32) for _ in range(FUSED_TENSORS)]
     names = [f"bench.small.{i}" for i in range(FUSED_TENSORS)]
 
-    def fused():
-        handles = [rs.allreduce_async_(t, op=ReduceOp.SUM, name=n) for t, n in zip(smalls, names)]
+    def each():
+        handles = [rs.allreduce_async_(t, op=rs_sum, name=n) for t, n in zip(smalls, names)]
         for h in handles:
             rs.synchronize(h)
+
+    def batched():
+        rs.synchronize(rs.grouped_allreduce_async_(smalls, op=rs_sum, name="bench.batch"))
 
     big = np.ones(FUSED_TENSORS * FUSED_TENSOR_BYTES // 4, np.float32)
     tiny = np.ones(1, np.float32)
     return {
-        "fused": _time_calls(fused, seconds, comm),
-        "concatenated": _time_calls(lambda: rs.allreduce_(big, op=ReduceOp.SUM, name="bench.big"),
+        "fused": _time_calls(each, seconds, comm),
+        "batched": _time_calls(batched, seconds, comm),
+        "concatenated": _time_calls(lambda: rs.allreduce_(big, op=rs_sum, name="bench.big"),
                                     seconds, comm),
-        "latency": _time_calls(lambda: rs.allreduce_(tiny, op=ReduceOp.SUM, name="bench.tiny"),
+        "latency": _time_calls(lambda: rs.allreduce_(tiny, op=rs_sum, name="bench.tiny"),
                                seconds, comm),
-        "mpi_latency": _time_calls(lambda: comm.Allreduce(MPI.IN_PLACE, tiny, op=MPI.SUM),
+        "mpi_latency": _time_calls(lambda: comm.Allreduce(in_place, tiny, op=mpi_sum),
                                    seconds, comm),
     }
 
@@ -359,9 +368,11 @@ def plot(results, path: str) -> None:
 
 def print_engine(result: dict) -> None:
     e = result["engine"]
-    print(f"  {FUSED_TENSORS} x {FUSED_TENSOR_BYTES // 1024} KiB async + synchronize: "
-          f"{e['fused'] * 1e6:.1f} us; one allreduce of their concatenation: "
-          f"{e['concatenated'] * 1e6:.1f} us; ratio {e['fused'] / e['concatenated']:.2f}")
+    print(f"  {FUSED_TENSORS} x {FUSED_TENSOR_BYTES // 1024} KiB async + synchronize, one call "
+          f"each: {e['fused'] * 1e6:.1f} us; in one batch (grouped_allreduce_async_): "
+          f"{e['batched'] * 1e6:.1f} us; one allreduce of their concatenation: "
+          f"{e['concatenated'] * 1e6:.1f} us; ratios {e['fused'] / e['concatenated']:.2f} "
+          f"and {e['batched'] / e['concatenated']:.2f}")
     print(f"  4-byte synchronous allreduce: ringsync {e['latency'] * 1e6:.1f} us, MPI "
           f"{e['mpi_latency'] * 1e6:.1f} us; ringsync/MPI {e['latency'] / e['mpi_latency']:.2f}")
     print(f"  flight recorder and straggler events: a step of {STEP_TENSORS} x 4 KiB async "
@@ -388,8 +399,10 @@ def goal_lines(results) -> list:
                                        rows[size]["ringsync"] / rows[size]["mpi"], "<=", 1.5))
             lines.append(_goal("2 ranks, 4 B: ringsync time <= 1.5x MPI's",
                                e["latency"] / e["mpi_latency"], "<=", 1.5))
-            lines.append(_goal(f"2 ranks, {FUSED_TENSORS} x 4 KiB async <= 3x one fused call",
-                               e["fused"] / e["concatenated"], "<=", 3.0))
+            lines.append(_goal(f"2 ranks, {FUSED_TENSORS} x 4 KiB async in one batch <= 3x one "
+                               "fused call", e["batched"] / e["concatenated"], "<=", 3.0))
+            lines.append(_goal(f"2 ranks, {FUSED_TENSORS} x 4 KiB async, one call each <= 3x "
+                               "one fused call", e["fused"] / e["concatenated"], "<=", 3.0))
             if 16 << 20 in rows:
                 lines.append(_goal("2 ranks, 16 MiB: MPI/ringsync >= 1.5", ratio[16 << 20],
                                    ">=", 1.5))

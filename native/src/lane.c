@@ -302,6 +302,11 @@ static rs_status_t wait_slices(rs_lane_t *lane, int (*ready)(const rs_lane_t *, 
  * must sleep says so for a hang report while it does. */
 static rs_status_t wait_for(rs_lane_t *lane, int (*ready)(const rs_lane_t *, uint64_t),
                             uint64_t seq, const waiting_t *w) {
+    /* (peers that keep up have posted by now, or within a few looks: the clock costs more
+     * than a look, so it is read only for a wait that lasts) */
+    for (int look = 0; look < 64; look++)
+        if (ready(lane, seq))
+            return RS_OK;
     double start = rs_now(), spin_until = start + lane->spin_seconds;
     while (!ready(lane, seq))
         if (rs_now() >= spin_until) {
@@ -370,15 +375,19 @@ static rs_status_t wait_slices(rs_lane_t *lane, int (*ready)(const rs_lane_t *, 
 /* Every post's flags and metadata, read once: a peer may rewrite its post while this rank
  * checks it, so what is checked is what is used (a second read could, say, find ndim 9
  * where the first found 1, and format dimensions past the shape). */
+#define SNAPSHOT_ON_STACK 8 /* ranks whose posts are read without an allocation */
 typedef struct {
     rs_meta_t *metas; /* per rank */
     int32_t *flags;
+    rs_meta_t stack_metas[SNAPSHOT_ON_STACK];
+    int32_t stack_flags[SNAPSHOT_ON_STACK];
 } snapshot_t;
 
 static int take_snapshot(const rs_lane_t *lane, uint64_t seq, snapshot_t *s) {
     size_t ranks = (size_t)(unsigned)lane->comm->size; /* (at least two: the lane needs a peer) */
-    s->metas = calloc(ranks, sizeof *s->metas);
-    s->flags = calloc(ranks, sizeof *s->flags);
+    int small = ranks <= SNAPSHOT_ON_STACK;
+    s->metas = small ? s->stack_metas : calloc(ranks, sizeof *s->metas);
+    s->flags = small ? s->stack_flags : calloc(ranks, sizeof *s->flags);
     if (!s->metas || !s->flags)
         return 0;
     for (int r = 0; r < lane->comm->size; r++) {
@@ -390,8 +399,10 @@ static int take_snapshot(const rs_lane_t *lane, uint64_t seq, snapshot_t *s) {
 }
 
 static void free_snapshot(snapshot_t *s) {
-    free(s->metas);
-    free(s->flags);
+    if (s->metas != s->stack_metas)
+        free(s->metas);
+    if (s->flags != s->stack_flags)
+        free(s->flags);
 }
 
 /* A post no honest rank makes: the peer wrote it, or corrupted its memory. As a malformed
@@ -437,20 +448,25 @@ static rs_status_t check_names(rs_lane_t *lane, uint64_t seq, const snapshot_t *
 /* The engine's agreement check (the same words as for its own requests). */
 static rs_status_t check_metas(rs_lane_t *lane, uint64_t seq, const snapshot_t *s) {
     int size = lane->comm->size;
-    unsigned char *submitted = malloc((size_t)(unsigned)size);
+    unsigned char on_stack[SNAPSHOT_ON_STACK];
+    unsigned char *submitted = size <= SNAPSHOT_ON_STACK ? on_stack : malloc((size_t)size);
     if (!submitted)
         return rs_error_set(&lane->error, RS_ERR_USAGE, "rank %d: out of memory",
                             lane->comm->rank);
     memset(submitted, 1, (size_t)(unsigned)size);
     char name[RS_MAX_NAME_LEN + 1];
-    snprintf(name, sizeof name, "%.*s", RS_MAX_NAME_LEN, lane->areas[0]->posts[seq & 1].name);
+    const char *posted_name = lane->areas[0]->posts[seq & 1].name;
+    size_t len = strnlen(posted_name, RS_MAX_NAME_LEN); /* (rank 0's memory: bounded) */
+    memcpy(name, posted_name, len);
+    name[len] = '\0';
     rs_pending_t p = {.name = name, .metas = s->metas, .submitted = submitted, .count = size};
     char *message = rs_check_agreement(&p, size);
     rs_status_t st = RS_OK;
     if (message)
         st = rs_error_set(&lane->error, RS_ERR_USAGE, "%s", message);
     free(message);
-    free(submitted);
+    if (submitted != on_stack)
+        free(submitted);
     return st;
 }
 
@@ -504,8 +520,10 @@ static rs_status_t reduce_posts(rs_lane_t *lane, uint64_t seq, const rs_meta_t *
 static void fill_header(post_t *post, const char *name, const rs_meta_t *meta, size_t bytes,
                         int flags, uint32_t epoch) {
     post->epoch = epoch;
-    snprintf(post->name, sizeof post->name, "%.*s", RS_MAX_NAME_LEN, name);
-    post->name_hash = rs_fnv1a(post->name, strlen(post->name));
+    size_t len = strnlen(name, RS_MAX_NAME_LEN); /* (not snprintf: this is every call's path) */
+    memcpy(post->name, name, len);
+    post->name[len] = '\0';
+    post->name_hash = rs_fnv1a(post->name, len);
     post->meta = *meta;
     post->bytes = bytes;
     post->flags = flags;
