@@ -29,7 +29,7 @@ class AllreduceCollectives:
         return src, out, name, code, prescale, postscale, what
 
     # A blocking allreduce of a numpy array tries the same-host lane's native entry first
-    # (ring.fast_lane: the whole call in C, for requests the ordinary path has checked and
+    # (ring.entry: the whole call in C, for requests the ordinary path has checked and
     # remembered there); whatever it does not take goes the ordinary way.
 
     def allreduce(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
@@ -37,7 +37,7 @@ class AllreduceCollectives:
         """x reduced over all ranks, in a new array."""
         if name is None:
             name = self._name(None, "allreduce")
-        fast = self._ring.fast_lane
+        fast = self._ring.entry
         if fast is not None and type(x) is np.ndarray:
             out = np.empty(x.shape, x.dtype)
             done = fast.run(x, out, op, prescale_factor, postscale_factor, name)
@@ -54,7 +54,7 @@ class AllreduceCollectives:
         """Reduce x in place; returns x's array."""
         if name is None:
             name = self._name(None, "allreduce_")
-        fast = self._ring.fast_lane
+        fast = self._ring.entry
         if fast is not None:
             done = fast.run(x, x, op, prescale_factor, postscale_factor, name)
             if done is x:

@@ -203,6 +203,11 @@ class Communicator(AllreduceCollectives, GroupedCollectives, PointToPoint,
     def _start(self, call: Call) -> Handle:
         return self._submitter.start(self, call.requests, call.finish, call.what, call.takes)
 
+    def _start_batch(self, arrays, names, op, prescale, postscale, what):
+        """A handle for asynchronous in-place allreduces of arrays submitted in one native
+        call, or None where the ordinary path must take them (Submitter.start_batch)."""
+        return self._submitter.start_batch(self, arrays, names, op, prescale, postscale, what)
+
     def _run(self, call: Call):
         return self._submitter.run(self, call.requests, call.finish, call.what, call.takes)
 

@@ -16,7 +16,22 @@ from .ops import ReduceOp, as_op
 def _named(tensors, base: str):
     """The group as a list, and each tensor's name (made before any check: see _checked)."""
     tensors = list(tensors)
-    return tensors, [f"{base}.{i}" for i in range(len(tensors))]
+    return tensors, _member_names(base, len(tensors))
+
+
+_NAMES_KEPT = 256  # groups whose member names are kept (a training loop repeats a few)
+_member_names_kept = {}
+
+
+def _member_names(base: str, n: int) -> list:
+    """[base.0, ..., base.n-1], kept for the groups a loop repeats (a list the caller must
+    not change)."""
+    names = _member_names_kept.get((base, n))
+    if names is None:
+        if len(_member_names_kept) >= _NAMES_KEPT:
+            _member_names_kept.clear()
+        names = _member_names_kept[(base, n)] = [f"{base}.{i}" for i in range(n)]
+    return names
 
 
 def _allreduce_request(x, what, name, code, prescale, postscale, in_place, blocking):
@@ -29,9 +44,10 @@ def _allreduce_request(x, what, name, code, prescale, postscale, in_place, block
 class GroupedCollectives:
 
     def _grouped_allreduce_call(self, tensors, op, prescale, postscale, name, in_place,
-                                blocking):
+                                blocking, base=None):
+        """base: the group's name, where the caller has made it already."""
         what = "grouped_allreduce_" if in_place else "grouped_allreduce"
-        tensors, names = _named(tensors, self._name(name, "grouped_allreduce"))
+        tensors, names = _named(tensors, base or self._name(name, "grouped_allreduce"))
         requests = self._checked(names, lib.RS_KIND_ALLREDUCE, blocking, lambda: [
             _allreduce_request(x, what, name, as_op(op, what), prescale, postscale, in_place,
                                blocking)
@@ -58,8 +74,15 @@ class GroupedCollectives:
 
     def grouped_allreduce_async_(self, tensors, op=ReduceOp.AVERAGE, prescale_factor=1.0,
                                  postscale_factor=1.0, name=None) -> Handle:
+        base = self._name(name, "grouped_allreduce")
+        if type(tensors) is list and tensors:  # (numpy arrays: the native entry, in one call)
+            handle = self._start_batch(tensors, _member_names(base, len(tensors)), op,
+                                       prescale_factor, postscale_factor,
+                                       "grouped_allreduce_")
+            if handle is not None:
+                return handle
         return self._start(self._grouped_allreduce_call(
-            tensors, op, prescale_factor, postscale_factor, name, True, False))
+            tensors, op, prescale_factor, postscale_factor, name, True, False, base))
 
     def _grouped_allgather_call(self, tensors, name, blocking):
         tensors, names = _named(tensors, self._name(name, "grouped_allgather"))

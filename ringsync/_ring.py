@@ -13,7 +13,7 @@ import socket
 import numpy as np
 
 from . import _observe, addresses, bootstrap
-from ._fastcall import Lane as FastLane
+from ._fastcall import Entry
 from ._native import ffi, lib
 from .config import Config, hierarchical_mode
 from .errors import CommunicationError, UsageError
@@ -35,6 +35,10 @@ def _cores_per_local_rank(local_size: int) -> float:
     return own / local_size
 
 
+def _address(pointer) -> int:
+    return int(ffi.cast("uintptr_t", pointer))
+
+
 class NativeRing:
     """The native communicator (`c`) and engine (`engine`) of one ring, its topology, and
     their lifetime. `lane`: the engine offers the same-host lane."""
@@ -52,7 +56,7 @@ class NativeRing:
         self.closed = True  # (an attribute, not a test of c: every call reads it)
         self.engine = ffi.NULL
         self.lane = False
-        self.fast_lane = None  # a FastLane (native/python/fastcall.c) while the engine has a lane
+        self.entry = None  # the engine's native entry (native/python/fastcall.c) while it runs
         self.observer = None
         self._job_id = 0
         try:
@@ -162,10 +166,11 @@ class NativeRing:
                 f"ringsync.init: {self._error_text(status, 'starting the engine')[1]}")
         self.engine = eptr[0]
         self.lane = bool(lib.rs_engine_has_lane(self.engine))
-        if self.lane:  # (small blocking allreduces go straight there: native/python/fastcall.c)
-            self.fast_lane = FastLane(
-                int(ffi.cast("uintptr_t", self.engine)),
-                int(ffi.cast("uintptr_t", ffi.addressof(lib, "rs_engine_try_lane"))), np.ndarray)
+        # (hot calls on numpy arrays go straight to the core: native/python/fastcall.c)
+        self.entry = Entry(_address(self.engine), self.lane, tuple(
+            _address(ffi.addressof(lib, f)) for f in ("rs_engine_try_lane", "rs_engine_submit",
+                                                      "rs_engine_wait", "rs_engine_release")),
+            np.ndarray)
         self.observer = _observe.Observer(self, self._job_id)
 
     # ---- errors while building ----
@@ -222,9 +227,9 @@ class NativeRing:
     def destroy(self):
         """Free the engine (joining its thread: no buffer is in use after) and the ring."""
         self.lane = False
-        if self.fast_lane is not None:
-            self.fast_lane.close()
-            self.fast_lane = None
+        if self.entry is not None:
+            self.entry.close()
+            self.entry = None
         if self.observer is not None:
             self.observer.stop()  # (its thread reads the engine)
             self.observer = None

@@ -229,9 +229,41 @@ class Submitter:
         if status != lib.RS_OK:
             self.unsynchronized.difference_update(claimed)
             self.raise_engine_error(status, what)
+        self._remember_in_place_allreduces(requests, structs)
         ids = list(ids)
         done = (lambda: finish([self.take_result(i) for i in ids])) if takes else finish
         return Handle(comm, ids, keep, done, what, [r.name for r in requests])
+
+    def _remember_in_place_allreduces(self, requests, structs) -> None:
+        """Asynchronous in-place allreduces of numpy arrays: the native entry takes calls
+        like these from now on (start_batch)."""
+        entry = self.ring.entry
+        if entry is None:
+            return
+        for struct, r in zip(structs, requests):
+            if r.kind == lib.RS_KIND_ALLREDUCE and r.out is r.src and not r.try_lane:
+                entry.remember(r.src, r.op, r.prescale, r.postscale,
+                               int(ffi.cast("uintptr_t", ffi.addressof(struct))))
+
+    def start_batch(self, comm, arrays: list, names: list, op, prescale, postscale,
+                    what: str) -> Optional[Handle]:
+        """start() of asynchronous in-place allreduces of numpy arrays (a group, one tensor
+        each) through the native entry: one call submits them all. None where the entry
+        cannot take them (an array unlike any the ordinary path has checked and
+        remembered, say): nothing is submitted then, and the ordinary path does it all."""
+        entry = self.ring.entry
+        if entry is None or not self.unsynchronized.isdisjoint(names):
+            return None  # (the ordinary path says which name is in flight)
+        if self.orphans:
+            self.release_finished_orphans()
+        ids = entry.start_group(arrays, names, op, prescale, postscale)
+        if ids is None:
+            return None
+        if type(ids) is int:
+            self.raise_engine_error(ids, what)
+        self.unsynchronized.update(names)
+        arrays = list(arrays)  # (the caller's list may change; the handle returns this one)
+        return Handle(comm, ids, arrays, lambda: arrays, what, names)
 
     def run(self, comm, requests: List[Request], finish: Callable, what: str,
             takes: bool = False):
@@ -267,7 +299,7 @@ class Submitter:
             struct = self._cached_struct(src, name, op, prescale, postscale, what, True)
         if lane and self.ring.lane and not self.ring.closed:
             # (the native entry takes calls like this one from now on)
-            self.ring.fast_lane.remember(src, op, prescale, postscale,
+            self.ring.entry.remember(src, op, prescale, postscale,
                                          int(ffi.cast("uintptr_t", struct)))
             struct.sendbuf = ffi.from_buffer(src)
             struct.recvbuf = struct.sendbuf if out is src else ffi.from_buffer(out)
@@ -416,23 +448,14 @@ class Submitter:
         return all(lib.rs_engine_poll(self.ring.engine, h) == 1 for h in handle._ids)
 
     def synchronize(self, handle: Handle):
-        engine = self.ring.engine
-        local = self._per_thread
-        if not hasattr(local, "done"):
-            local.done = ffi.new("int *")
-        done = local.done
-        statuses = []
-        for h in handle._ids:
-            status = lib.rs_engine_wait(engine, h, _WAIT_SLICE_SECONDS, done)
-            while status == lib.RS_OK and not done[0]:
-                status = lib.rs_engine_wait(engine, h, _WAIT_SLICE_SECONDS, done)
-            statuses.append(status)
+        entry, ids = self.ring.entry, handle._ids
+        statuses = entry.wait(ids, _WAIT_SLICE_SECONDS)  # (None: every one succeeded)
         try:
-            self._raise_for(handle, statuses)
+            if statuses is not None:
+                self._raise_for(handle, statuses)
             handle._result = handle._finish()
         finally:
-            for h in handle._ids:
-                lib.rs_engine_release(engine, h)
+            entry.release(ids)
             self.unsynchronized.difference_update(handle.names)
             # (dropping _finish breaks the cycle through closures that name the handle, so
             # the result is freed as soon as the caller lets go of it, not at the next gc)

@@ -236,6 +236,34 @@ static rs_status_t check_still_possible(rs_engine_t *e, const char *name, const 
 }
 
 /* Under mu: check every request first, so that a group is accepted whole or not at all. */
+static rs_status_t name_twice(rs_engine_t *e, const char *name) {
+    return rs_error_set(&e->error, RS_ERR_USAGE, "tensor '%.64s' appears twice in one group",
+                        name);
+}
+
+/* A group names each tensor once: pairwise for a few, through a map for many (a batch of
+ * hundreds of gradients would otherwise cost n^2/2 comparisons per submission). */
+static rs_status_t check_names_unique(rs_engine_t *e, const char **names, int n) {
+    if (n <= 16) {
+        for (int i = 1; i < n; i++)
+            for (int j = 0; j < i; j++)
+                if (strcmp(names[i], names[j]) == 0)
+                    return name_twice(e, names[i]);
+        return RS_OK;
+    }
+    rs_map_t seen = {0};
+    rs_status_t st = RS_OK;
+    for (int i = 0; i < n && st == RS_OK; i++) {
+        if (rs_map_get(&seen, names[i]))
+            st = name_twice(e, names[i]);
+        else if (rs_map_put(&seen, names[i], (void *)names[i]) != 0)
+            st = rs_error_set(&e->error, RS_ERR_NOMEM, "out of memory submitting '%.64s'",
+                              names[i]);
+    }
+    rs_map_free(&seen);
+    return st;
+}
+
 static rs_status_t validate_all(rs_engine_t *e, const char **names, const rs_request_t *requests,
                                 int n) {
     if (e->failure.code != RS_OK)
@@ -244,14 +272,9 @@ static rs_status_t validate_all(rs_engine_t *e, const char **names, const rs_req
         RS_CHECK(check_still_possible(e, names[i], &requests[i]));
     if (e->stopping)
         return rs_error_set(&e->error, RS_ERR_USAGE, "the engine is shutting down");
-    for (int i = 0; i < n; i++) {
+    for (int i = 0; i < n; i++)
         RS_CHECK(validate(e, names[i], &requests[i]));
-        for (int j = 0; j < i; j++)
-            if (strcmp(names[i], names[j]) == 0)
-                return rs_error_set(&e->error, RS_ERR_USAGE, "tensor '%s' appears twice in "
-                                    "one group", names[i]);
-    }
-    return RS_OK;
+    return check_names_unique(e, names, n);
 }
 
 /* Check a request as rs_engine_submit would (a refusal goes into the engine's record). */

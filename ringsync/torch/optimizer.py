@@ -47,14 +47,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer, named_parameters=None, compression=Compression.none,
                  backward_passes_per_step=1, op=ReduceOp.AVERAGE, gradient_predivide_factor=1.0,
                  num_groups=0, groups=None, sparse_as_dense=False,
-                 process_set=global_process_set):
+                 process_set=global_process_set, *, gradient_as_bucket_view=False):
         """Horovod's arguments. groups: an int N (the parameters in N nearly equal runs)
         or a list of lists of parameters, each reduced as one grouped allreduce once all
         its gradients are ready (num_groups: the deprecated spelling of an int).
         sparse_as_dense: sparse gradients are reduced as dense tensors (else as sparse:
         every rank's entries gathered). process_set: the ranks that average the gradients
         (a ProcessSet or Communicator; the job's, whichever it is at each step: elastic
-        recovery replaces it)."""
+        recovery replaces it).
+
+        gradient_as_bucket_view (keyword only; DDP's flag of that name): gradients reduced
+        at step() become views of the buffer they are reduced in, one per dtype, so that a
+        step copies none of them in or out. The hazard, as with DDP's: p.grad is the same
+        memory from step to step (zero_grad() zeroes it in place; set_to_none is not
+        applied), so a gradient tensor kept from an earlier step changes with every
+        backward pass and reduction; keep a clone() instead. A gradient that is not a view
+        at step() (a new tensor assigned to p.grad, or one made after p.grad was set to
+        None) is copied into the buffer once and replaced by its view."""
         # Deliberately no super().__init__(): param_groups and state are the wrapped
         # optimizer's own (see the properties below), so there is one copy of each.
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -71,7 +80,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._predivide = gradient_predivide_factor
         self._sparse_as_dense = sparse_as_dense
         self._names = self._parameter_names(named_parameters, _instances.next(process_set))
-        self._at_step = StepBuffers(f"{self._prefix}.gradients")
+        self._at_step = StepBuffers(f"{self._prefix}.gradients",
+                                    as_views=bool(gradient_as_bucket_view))
         self._auto_overlap = (None, True)  # (communicator, overlaps(communicator))
         self._group_of = _gradient_groups(list(self._names), num_groups, groups)
         self._pending = {}  # parameter -> (handle, wire tensor, compression context)
@@ -375,33 +385,62 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise UsageError(
                 f"optimizer.zero_grad() was called while {len(self._pending)} gradient "
                 "reductions are pending; call step() or synchronize() first")
-        self._optimizer.zero_grad(set_to_none=set_to_none)
+        # (gradient_as_bucket_view: the gradients stay views of the buffer, zeroed in place)
+        self._optimizer.zero_grad(set_to_none=set_to_none and not self._at_step.as_views)
 
 
 class StepBuffers:
     """The gradients a DistributedOptimizer reduces at step() (overlap off): one allreduce
     per dtype, in the order given (parameter order: the same on every rank), copied into
     one buffer, reduced in place on the calling thread (with every rank on one host: the
-    lane, staged through shared memory, no engine thread), copied back."""
+    lane, staged through shared memory, no engine thread), copied back. as_views
+    (gradient_as_bucket_view): the gradients are views of the buffer instead, and nothing
+    is copied (but a gradient that is not a view yet, which is copied in once)."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, as_views: bool = False):
         self._name = name
+        self.as_views = as_views
         self._flat = {}  # dtype -> the buffer its gradients are reduced in
+        self._layout = {}  # dtype -> ids of the parameters whose gradients are views of it
 
     def reduce(self, comm, params, op, scale) -> None:
         by_dtype = {}
         for p in params:
             by_dtype.setdefault(p.grad.dtype, []).append(p)
         for dtype, group in by_dtype.items():
-            flat = self._buffer(dtype, sum(p.grad.numel() for p in group))
-            torch.cat([p.grad.reshape(-1) for p in group], out=flat)
+            if self.as_views:
+                flat = self._as_views(dtype, group)
+            else:
+                flat = self._buffer(dtype, sum(p.grad.numel() for p in group))
+                torch.cat([p.grad.reshape(-1) for p in group], out=flat)
             comm.allreduce_(to_numpy(flat, "DistributedOptimizer"), op=op,
                             name=f"{self._name}.{str(dtype).replace('torch.', '')}", **scale)
-            at = 0
-            for p in group:
-                n = p.grad.numel()
-                p.grad.copy_(flat[at:at + n].view_as(p.grad))
-                at += n
+            if not self.as_views:
+                at = 0
+                for p in group:
+                    n = p.grad.numel()
+                    p.grad.copy_(flat[at:at + n].view_as(p.grad))
+                    at += n
+
+    def _as_views(self, dtype, group):
+        """dtype's buffer with every gradient of the group a view of its place in it (the
+        group's parameters in order): those that are views already stay, the others are
+        copied in and replaced by their view."""
+        numel = sum(p.grad.numel() for p in group)
+        layout = tuple(id(p) for p in group)  # (ids: tensors compare elementwise)
+        if self._layout.get(dtype) != layout:
+            self._layout[dtype] = layout
+            self._flat.pop(dtype, None)  # (a new layout: every gradient is copied in)
+        flat = self._buffer(dtype, numel)
+        at = 0
+        for p in group:
+            n = p.grad.numel()
+            view = flat[at:at + n].view_as(p)
+            if p.grad.data_ptr() != view.data_ptr() or p.grad.stride() != view.stride():
+                view.copy_(p.grad)
+                p.grad = view
+            at += n
+        return flat
 
     def _buffer(self, dtype, numel):
         """dtype's buffer, kept from step to step (a new one each step costs its page

@@ -23,13 +23,16 @@ ENV = {"RINGSYNC_TIMEOUT_SECONDS": "60", "OMP_NUM_THREADS": "1"}
 
 BODIES = ["collectives_on_tensors", "gradients_through_collectives",
           "broadcast_makes_ranks_identical", "sync_batch_norm_matches_full_batch",
-          "optimizer_misuse_and_state", "join_lets_ranks_with_less_data_stop_early"]
+          "optimizer_misuse_and_state", "join_lets_ranks_with_less_data_stop_early",
+          "bucket_views_alias_across_steps"]
 # (optimizer, dtype, backward passes per step, compression)
 TRAINING = [("sgd", "float64", "1", "none"), ("sgd", "float64", "2", "none"),
             ("adam", "float64", "1", "none"), ("adam", "float64", "2", "none"),
             ("sgd", "float32", "1", "none"), ("adam", "float32", "2", "none"),
             ("sgd", "float32", "1", "fp16"), ("adam", "float32", "1", "fp16"),
-            ("sgd", "float32", "2", "bf16")]
+            ("sgd", "float32", "2", "bf16"),
+            # gradient_as_bucket_view=True: the gradients are views of the reduction buffer
+            ("sgd", "float64", "1", "none", "views"), ("adam", "float32", "2", "none", "views")]
 
 
 # DistributedOptimizer reduces gradients during backward (overlap on) or all at step()

@@ -141,7 +141,9 @@ def _train(model, optimizer, batches, passes, shard):
         optimizer.step()
 
 
-def training_matches_one_process(kind="sgd", dtype_name="float64", passes="1", compression="none"):
+def training_matches_one_process(kind="sgd", dtype_name="float64", passes="1", compression="none",
+                                 grads="plain"):
+    """grads: "views" trains with gradient_as_bucket_view=True."""
     hvd.init()
     mode = os.environ.get("RINGSYNC_OVERLAP", "auto")  # (the test picks the path it checks)
     assert mode == "auto" or hvd.global_process_set.communicator().overlaps == (mode == "on")
@@ -157,7 +159,8 @@ def training_matches_one_process(kind="sgd", dtype_name="float64", passes="1", c
     opt = hvd.DistributedOptimizer(_make_optimizer(kind, model.parameters()),
                                    named_parameters=model.named_parameters(),
                                    compression=getattr(hvd.Compression, compression),
-                                   backward_passes_per_step=passes)
+                                   backward_passes_per_step=passes,
+                                   gradient_as_bucket_view=grads == "views")
 
     def shard(t):  # this rank's contiguous share of a micro-batch
         n = t.shape[0] // size
@@ -169,10 +172,56 @@ def training_matches_one_process(kind="sgd", dtype_name="float64", passes="1", c
             "bf16": 3e-2}[compression]
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         err = ((p - q).abs().max() / q.abs().max()).item()  # relative to the tensor's scale
-        assert err < rtol, f"{kind} {dtype_name} passes={passes} {compression}: {name} off by {err:.2e}"
+        assert err < rtol, (f"{kind} {dtype_name} passes={passes} {compression} {grads}: {name} "
+                            f"off by {err:.2e}")
     # Every rank ends with the same parameters, bit for bit.
     for name, p in model.named_parameters():
         assert torch.equal(hvd.broadcast(p.detach(), 0, name=f"check.{name}"), p.detach()), name
+    hvd.shutdown()
+
+
+def bucket_views_alias_across_steps():
+    """gradient_as_bucket_view=True, gradients reduced at step(): after a step every
+    gradient is a view of one buffer and holds the average of every rank's gradient; a
+    gradient kept from the step before is that same memory (the documented hazard: it
+    shows the newest average, not its own step's); a gradient the caller replaced with a
+    tensor of its own is copied in and becomes a view again; zero_grad() zeroes in place."""
+    from ringsync.torch.optimizer import overlaps
+    hvd.init()
+    if overlaps(hvd.global_process_set.communicator()):
+        hvd.shutdown()
+        return  # (gradients reduced during backward: their own path, checked elsewhere)
+    me, size = hvd.rank(), hvd.size()
+    model = _model(torch.float64)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters(),
+                                   gradient_as_bucket_view=True)
+    params = list(model.parameters())
+    kept = None
+    for step in range(4):
+        opt.zero_grad()
+        if kept is not None:
+            assert all(torch.count_nonzero(k) == 0 for k in kept), "zero_grad in place"
+        g = torch.Generator().manual_seed(7 * step + me)
+        x, y = torch.randn(5, 10, generator=g, dtype=torch.float64), \
+            torch.randn(5, 3, generator=g, dtype=torch.float64)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if step == 2:  # the caller puts a tensor of its own in place of a gradient
+            params[0].grad = params[0].grad.clone() * 1.0
+        local = [p.grad.clone() for p in params]
+        expected = [hvd.allreduce(t, op=hvd.Average, name=f"expect.{step}.{i}")
+                    for i, t in enumerate(local)]
+        opt.step()
+        for i, (p, e) in enumerate(zip(params, expected)):
+            assert torch.allclose(p.grad, e, rtol=1e-12, atol=0), f"step {step} grad {i}"
+        ptrs = sorted((p.grad.data_ptr(), p.grad.numel() * 8) for p in params)
+        assert all(a + n == b for (a, n), (b, _) in zip(ptrs, ptrs[1:])), \
+            "the gradients are consecutive views of one buffer"
+        if kept is not None:
+            for k, p in zip(kept, params):
+                assert k.data_ptr() == p.grad.data_ptr() and torch.equal(k, p.grad), \
+                    "a kept gradient is the buffer's memory: it shows the newest average"
+        kept = [p.grad for p in params]
     hvd.shutdown()
 
 

@@ -1,11 +1,13 @@
-"""The native entry of small blocking allreduces (native/python/fastcall.c, ring.fast_lane).
+"""The native entry of an engine's hot calls (native/python/fastcall.c, ring.entry).
 
 A blocking allreduce of an exact numpy array on the same-host lane goes from
 Communicator.allreduce_ / allreduce straight to C once the ordinary path has checked and
-remembered a request like it. These tests check that the entry is taken (its `taken`
-counter), that what it computes is what the ordinary path computes (references from every
-rank's input), and that whatever it cannot take, or takes and fails, ends as the ordinary
-path ends: the same exceptions, the ranks still matched, the next call working.
+remembered a request like it; so does a batch of asynchronous in-place allreduces
+(grouped_allreduce_async_: one native submission), and every handle is waited for and
+released there. These tests check that the entry is taken (its `taken` counter), that what
+it computes is what the ordinary path computes (references from every rank's input), and
+that whatever it cannot take, or takes and fails, ends as the ordinary path ends: the same
+exceptions, the ranks still matched, the next call working.
 """
 import threading
 
@@ -27,7 +29,7 @@ CASES = [("float32", "Sum", 1.0, 1.0), ("float64", "Average", 0.5, 3.0),
 
 
 def _taken(comm) -> int:
-    return comm._ring.fast_lane.taken
+    return comm._ring.entry.taken
 
 
 def _matrix(comm):
@@ -200,9 +202,9 @@ def _closed(comm):
     x = np.ones(2, np.float32)
     comm.allreduce_(x, op=rs.Sum, name="x")
     comm.allreduce_(x, op=rs.Sum, name="x")
-    lane = comm._ring.fast_lane
+    lane = comm._ring.entry
     comm.shutdown()
-    assert comm._ring.fast_lane is None
+    assert comm._ring.entry is None
     assert lane.run(x, x, rs.Sum, 1.0, 1.0, "x") is None
     with pytest.raises(UsageError):
         comm.allreduce_(x, op=rs.Sum, name="x")
@@ -210,3 +212,107 @@ def _closed(comm):
 
 def test_after_shutdown_the_entry_takes_nothing():
     assert_ranks_ok(_closed, 2, timeout=TIMEOUT, env=ENV)
+
+
+# ---------------------------------------------------------------- batches (async, grouped)
+
+BATCH_SHAPES = [(1,), (0,), (7,), (3, 5), (1024,), ()]
+
+
+def _batches(comm):
+    """Batches of every dtype case, three rounds each with new data: the first goes the
+    ordinary way and remembers the requests, the others take the entry (all n tensors in
+    one submission); two batches in flight at once complete independently."""
+    me, size = comm.rank(), comm.size()
+    before, expected_taken = _taken(comm), 0
+    for dtype, op, pre, post in CASES:
+        for round_ in range(3):
+            salt = f"batch/{pre}/{post}/{round_}"
+            inputs = [[rank_input(r, shape, dtype, op, f"{salt}/{i}")
+                       for i, shape in enumerate(BATCH_SHAPES)] for r in range(size)]
+            mine = [x.copy() for x in inputs[me]]
+            plus = [[np.array(x + 1, dtype=x.dtype) for x in inputs[r]] for r in range(size)]
+            other = [x.copy() for x in plus[me]]
+            first = comm.grouped_allreduce_async_(mine, op=getattr(rs, op), prescale_factor=pre,
+                                                  postscale_factor=post, name=f"b.{dtype}.{op}")
+            second = comm.grouped_allreduce_async_(other, op=getattr(rs, op),
+                                                   name=f"b2.{dtype}.{op}")
+            got = comm.synchronize(first)
+            assert all(g is m for g, m in zip(got, mine))
+            for i, g in enumerate(got):
+                assert_reduced(g, [inputs[r][i] for r in range(size)], op, pre, post,
+                               f"{dtype} {op} round {round_} tensor {i}")
+            for i, g in enumerate(comm.synchronize(second)):
+                assert_reduced(g, [plus[r][i] for r in range(size)], op,
+                               what=f"second batch {dtype} {op} round {round_} tensor {i}")
+            if round_:
+                expected_taken += 2 * len(BATCH_SHAPES)
+    # (at least: a second batch like the first in round 0 is taken at once)
+    assert expected_taken <= _taken(comm) - before <= 3 * expected_taken // 2, \
+        (_taken(comm) - before, expected_taken)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_batch_goes_in_one_submission_and_reduces_as_the_reference(size):
+    assert_ranks_ok(_batches, size, timeout=TIMEOUT, env=ENV)
+
+
+def _batch_mismatch(comm):
+    """Rank 1's tensor 2 of a batch has another shape: every rank's synchronize raises a
+    MismatchError naming that tensor and both shapes; the other tensors still complete,
+    and the next batch works."""
+    me, size = comm.rank(), comm.size()
+    shapes = [(4,), (5,), (6,), (7,)]
+    for _ in range(2):  # (remember every shape on every rank)
+        for extra in (0, 1):
+            comm.synchronize(comm.grouped_allreduce_async_(
+                [np.ones((n[0] + extra,), np.float32) for n in shapes], op=rs.Sum, name="w"))
+    before = _taken(comm)
+    bad = [np.ones(s, np.float32) for s in shapes]
+    if me == 1:
+        bad[2] = np.ones(7, np.float32)
+    handle = comm.grouped_allreduce_async_(bad, op=rs.Sum, name="m")
+    assert _taken(comm) == before + len(shapes)
+    with pytest.raises(MismatchError) as info:
+        comm.synchronize(handle)
+    assert "m.2" in str(info.value) and "[6]" in str(info.value) and "[7]" in str(info.value)
+    xs = [np.full(s, me + 1.0, np.float32) for s in shapes]
+    comm.synchronize(comm.grouped_allreduce_async_(xs, op=rs.Sum, name="w"))
+    for x in xs:
+        np.testing.assert_array_equal(x, np.full(x.shape, sum(range(1, size + 1)), np.float32))
+
+
+def test_a_mismatch_in_a_batch_fails_every_rank_naming_the_tensor():
+    assert_ranks_ok(_batch_mismatch, 2, timeout=TIMEOUT, env=ENV)
+
+
+def _batch_in_flight_and_dropped(comm):
+    """A batch's names are in flight until synchronized: submitting it again first is a
+    UsageError (from the ordinary path, which names the tensor) and changes nothing; a
+    batch whose handle is dropped keeps its arrays until the engine is done with them."""
+    me, size = comm.rank(), comm.size()
+    xs = [np.full(3, me + 1.0) for _ in range(4)]
+    for _ in range(2):
+        comm.synchronize(comm.grouped_allreduce_async_([x.copy() for x in xs], op=rs.Sum,
+                                                       name="f"))
+    handle = comm.grouped_allreduce_async_(xs, op=rs.Sum, name="f")
+    with pytest.raises(UsageError, match="f.0' is already in flight"):
+        comm.grouped_allreduce_async_([x.copy() for x in xs], op=rs.Sum, name="f")
+    comm.synchronize(handle)
+    total = sum(range(1, size + 1))
+    for x in xs:
+        np.testing.assert_array_equal(x, np.full(3, float(total)))
+    dropped = [np.full(1000, me + 1.0) for _ in range(8)]
+    comm.grouped_allreduce_async_(dropped, op=rs.Sum, name="d")
+    comm.grouped_allreduce_async_(dropped, op=rs.Sum, name="d2")  # (drops the first handle)
+    del dropped
+    import gc
+    gc.collect()
+    ys = [np.full(2, me + 1.0) for _ in range(3)]
+    comm.synchronize(comm.grouped_allreduce_async_(ys, op=rs.Sum, name="after"))
+    for y in ys:
+        np.testing.assert_array_equal(y, np.full(2, float(total)))
+
+
+def test_a_batch_in_flight_and_a_dropped_batch():
+    assert_ranks_ok(_batch_in_flight_and_dropped, 2, timeout=TIMEOUT, env=ENV)
