@@ -18,6 +18,7 @@ import tempfile
 import time
 
 RATES = {"k": 1e3, "m": 1e6, "g": 1e9}
+GOAL_EFFICIENCY = 0.95  # of the link bound, from 16 MiB on (2 x 2 hosts)
 
 
 def rate_bytes_per_second(rate: str) -> float:
@@ -112,6 +113,12 @@ def report(rows, hosts, rate):
             t = rows[key][i]
             cells.append(f"{t / hier:6.2f}" if t else "     -")
         print(" ".join(cells))
+    print("\nGoals (this run):")
+    for i, size in enumerate(rows["size"]):
+        if size >= 16 << 20:
+            eff = size * bound_factor / rows["ringsync_on"][i]
+            print(f"  [{'met' if eff >= GOAL_EFFICIENCY else 'NOT met'}] {size >> 20} MiB: "
+                  f"hierarchical allreduce >= {GOAL_EFFICIENCY} of the link bound: {eff:.2f}")
 
 
 def main(argv=None):

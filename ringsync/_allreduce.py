@@ -93,6 +93,13 @@ class AllreduceCollectives:
     def allreduce_async_(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
                          name=None) -> Handle:
         """Start reducing x in place; synchronize returns x's array."""
+        if name is None:
+            name = self._name(None, "allreduce_")
+        if type(x) is np.ndarray:  # (the native entry, as a batch of one)
+            handle = self._submitter.start_batch(self, [x], [name], op, prescale_factor,
+                                                 postscale_factor, "allreduce_", single=True)
+            if handle is not None:
+                return handle
         return self._submitter.start_allreduce(self, *self._allreduce_args(
             x, IN_PLACE, op, prescale_factor, postscale_factor, name, "allreduce_", False))
 

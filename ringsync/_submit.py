@@ -246,11 +246,12 @@ class Submitter:
                                int(ffi.cast("uintptr_t", ffi.addressof(struct))))
 
     def start_batch(self, comm, arrays: list, names: list, op, prescale, postscale,
-                    what: str) -> Optional[Handle]:
+                    what: str, single: bool = False) -> Optional[Handle]:
         """start() of asynchronous in-place allreduces of numpy arrays (a group, one tensor
         each) through the native entry: one call submits them all. None where the entry
         cannot take them (an array unlike any the ordinary path has checked and
-        remembered, say): nothing is submitted then, and the ordinary path does it all."""
+        remembered, say): nothing is submitted then, and the ordinary path does it all.
+        single: one tensor, whose handle returns its array (not a list)."""
         entry = self.ring.entry
         if entry is None or not self.unsynchronized.isdisjoint(names):
             return None  # (the ordinary path says which name is in flight)
@@ -262,6 +263,9 @@ class Submitter:
         if type(ids) is int:
             self.raise_engine_error(ids, what)
         self.unsynchronized.update(names)
+        if single:
+            x = arrays[0]
+            return Handle(comm, ids, x, lambda: x, what, names)
         arrays = list(arrays)  # (the caller's list may change; the handle returns this one)
         return Handle(comm, ids, arrays, lambda: arrays, what, names)
 
@@ -283,7 +287,11 @@ class Submitter:
         struct = self._cache.structs.get((src.dtype, src.shape, op, prescale, postscale, False))
         if struct is None:
             struct = self._cached_struct(src, name, op, prescale, postscale, what, False)
-        return self._submit_struct(comm, struct, src, out, name, what)
+        handle = self._submit_struct(comm, struct, src, out, name, what)
+        if out is src and self.ring.entry is not None:  # (start_batch takes the next ones)
+            self.ring.entry.remember(src, op, prescale, postscale,
+                                     int(ffi.cast("uintptr_t", struct)))
+        return handle
 
     def run_allreduce(self, comm, src: np.ndarray, out: np.ndarray, name: str, op: int,
                       prescale: float, postscale: float, what: str, lane: bool = True):

@@ -21,6 +21,7 @@ from ringsync._adapters import InstanceNumbers, groups_from_num_groups, near_equ
 from ringsync.errors import UsageError
 
 from . import mpi_ops
+from ._buckets import BucketViews, Buckets
 from ._tensors import to_numpy
 from .compression import Compression
 
@@ -41,6 +42,8 @@ def overlaps(comm) -> bool:
 
 
 _AT_STEP = "reduced at step"  # a pending gradient that synchronize() reduces
+_IN_BUCKET = "in a bucket"  # a pending gradient that its bucket's allreduce reduces
+_BUCKET = "bucket"  # a pending bucket (keyed by the Bucket)
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -56,14 +59,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         (a ProcessSet or Communicator; the job's, whichever it is at each step: elastic
         recovery replaces it).
 
-        gradient_as_bucket_view (keyword only; DDP's flag of that name): gradients reduced
-        at step() become views of the buffer they are reduced in, one per dtype, so that a
-        step copies none of them in or out. The hazard, as with DDP's: p.grad is the same
-        memory from step to step (zero_grad() zeroes it in place; set_to_none is not
-        applied), so a gradient tensor kept from an earlier step changes with every
-        backward pass and reduction; keep a clone() instead. A gradient that is not a view
-        at step() (a new tensor assigned to p.grad, or one made after p.grad was set to
-        None) is copied into the buffer once and replaced by its view."""
+        gradient_as_bucket_view (keyword only; DDP's flag): gradients become views of the
+        buffers they are reduced in (see _buckets.py). The hazard, as with DDP's: p.grad
+        is the same memory from step to step, so a gradient kept from an earlier step
+        changes; keep a clone()."""
         # Deliberately no super().__init__(): param_groups and state are the wrapped
         # optimizer's own (see the properties below), so there is one copy of each.
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -79,9 +78,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._process_set = process_set
         self._predivide = gradient_predivide_factor
         self._sparse_as_dense = sparse_as_dense
-        self._names = self._parameter_names(named_parameters, _instances.next(process_set))
+        self._prefix = f"grad.opt{_instances.next(process_set)}"
+        self._names = parameter_names(optimizer, named_parameters, self._prefix)
         self._at_step = StepBuffers(f"{self._prefix}.gradients",
                                     as_views=bool(gradient_as_bucket_view))
+        # (gradient_as_bucket_view with overlap: gradients reduced in buckets from the hooks)
+        self._buckets = Buckets(f"{self._prefix}.gradients") if gradient_as_bucket_view \
+            else None
         self._auto_overlap = (None, True)  # (communicator, overlaps(communicator))
         self._group_of = _gradient_groups(list(self._names), num_groups, groups)
         self._pending = {}  # parameter -> (handle, wire tensor, compression context)
@@ -150,23 +153,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # ---- names ----
 
-    def _parameter_names(self, named_parameters, instance):
-        params = [p for group in self._optimizer.param_groups for p in group["params"]]
-        self._prefix = f"grad.opt{instance}"
-        if named_parameters is None:
-            return {p: f"{self._prefix}.{i}" for i, p in enumerate(params)}
-        named = _name_pairs(named_parameters)
-        names = [n for n, _ in named]
-        if len(set(names)) != len(names):
-            dupes = sorted({n for n in names if names.count(n) > 1})
-            raise UsageError(f"named_parameters has duplicate names: {dupes}")
-        by_param = {p: f"grad.{n}" for n, p in named}
-        unnamed = [i for i, p in enumerate(params) if p not in by_param]
-        if unnamed:
-            raise UsageError(f"named_parameters does not name every parameter of the optimizer "
-                             f"(parameters at positions {unnamed[:10]} are missing)")
-        return {p: by_param[p] for p in params}
-
     # ---- reductions ----
 
     def _gradient_ready(self, p):
@@ -201,6 +187,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._defers(grad):
             self._pending[p] = (None, grad, _AT_STEP)  # reduced by synchronize()
             return
+        if self._buckets is not None and self._buckets.is_view(p):
+            self._bucket_ready(p)
+            return
         handle = self._start_prepared(p)
         if handle is not None:
             self._pending[p] = (handle, p.grad, None)
@@ -209,6 +198,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
             handle = mpi_ops.allreduce_async_(wire, op=self._op, name=self._names[p],
                                               process_set=self._process_set, **self._scale)
             self._pending[p] = (handle, wire, ctx)
+
+    def _bucket_ready(self, p):
+        """p's gradient (a view of its bucket) is complete: its bucket starts with its last."""
+        self._pending[p] = (None, None, _IN_BUCKET)
+        bucket = self._buckets.ready(p)
+        if bucket is not None:
+            handle = bucket.start(resolve(self._process_set), self._op, self._scale)
+            self._pending[bucket] = (handle, None, _BUCKET)
+
+    def _bind_buckets(self):
+        """After a step's reductions with gradient_as_bucket_view and overlap: every dense
+        CPU gradient becomes (or stays) a view of its bucket, for the next step's hooks."""
+        if self._buckets is None or self._compression is not Compression.none or \
+                self._group_of or not self._overlaps(resolve(self._process_set)):
+            return
+        params = [p for p in self._names if p.requires_grad and p.grad is not None]
+        if all(p.grad.device.type == "cpu" and not p.grad.is_sparse for p in params):
+            self._buckets.build(params)
 
     def _defers(self, grad) -> bool:
         """Whether this gradient waits for synchronize() (RINGSYNC_OVERLAP off): plain
@@ -274,9 +281,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def synchronize(self):
         """Wait until every parameter's gradient holds its reduction over all ranks.
         Parameters whose gradient did not arrive this step (on this rank) are reduced too,
-        as zeros, so that every rank reduces the same tensors. (With op=Adasum, step()
-        does the reducing: nothing to do here. On a rank outside process_set, nothing
-        either: its gradients stay as they are.)"""
+        as zeros, so that every rank reduces the same tensors. (Nothing with op=Adasum,
+        which step() reduces, and on a rank outside process_set.)"""
         if self._local:
             self._synchronized = True
             return
@@ -298,7 +304,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             except Exception as e:  # the others still complete before it is raised
                 failure = e
         for p, (handle, wire, ctx) in pending.items():
-            if ctx is _AT_STEP:
+            if ctx is _AT_STEP or ctx is _IN_BUCKET:
                 continue
             try:
                 result = handle() if ctx == "sparse" else \
@@ -308,18 +314,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 continue
             if ctx == "sparse":
                 p.grad = result.coalesce()
-            elif wire is not p.grad:
+            elif ctx is not _BUCKET and wire is not p.grad:  # (a bucket: reduced in place)
                 with torch.no_grad():
                     p.grad.copy_(self._compression.decompress(wire, ctx))
         self._synchronized = True
         if failure is not None:
             raise failure
+        self._bind_buckets()
 
     def reset_pending(self):
         """Forget the reductions in flight, which a failed ring will never complete
         (elastic recovery calls this); the gradients keep whatever they hold."""
         self._pending = {}
         self._ready_in_group = {}
+        if self._buckets is not None:
+            self._buckets.reset()
         self._passes = {p: 0 for p in self._names}
         self._synchronized = False
 
@@ -400,8 +409,8 @@ class StepBuffers:
     def __init__(self, name: str, as_views: bool = False):
         self._name = name
         self.as_views = as_views
-        self._flat = {}  # dtype -> the buffer its gradients are reduced in
-        self._layout = {}  # dtype -> ids of the parameters whose gradients are views of it
+        self._flat = {}  # dtype -> the buffer its gradients are reduced in (copies)
+        self._views = BucketViews()  # (as_views)
 
     def reduce(self, comm, params, op, scale) -> None:
         by_dtype = {}
@@ -409,7 +418,7 @@ class StepBuffers:
             by_dtype.setdefault(p.grad.dtype, []).append(p)
         for dtype, group in by_dtype.items():
             if self.as_views:
-                flat = self._as_views(dtype, group)
+                flat = self._views.bind(dtype, group)
             else:
                 flat = self._buffer(dtype, sum(p.grad.numel() for p in group))
                 torch.cat([p.grad.reshape(-1) for p in group], out=flat)
@@ -422,26 +431,6 @@ class StepBuffers:
                     p.grad.copy_(flat[at:at + n].view_as(p.grad))
                     at += n
 
-    def _as_views(self, dtype, group):
-        """dtype's buffer with every gradient of the group a view of its place in it (the
-        group's parameters in order): those that are views already stay, the others are
-        copied in and replaced by their view."""
-        numel = sum(p.grad.numel() for p in group)
-        layout = tuple(id(p) for p in group)  # (ids: tensors compare elementwise)
-        if self._layout.get(dtype) != layout:
-            self._layout[dtype] = layout
-            self._flat.pop(dtype, None)  # (a new layout: every gradient is copied in)
-        flat = self._buffer(dtype, numel)
-        at = 0
-        for p in group:
-            n = p.grad.numel()
-            view = flat[at:at + n].view_as(p)
-            if p.grad.data_ptr() != view.data_ptr() or p.grad.stride() != view.stride():
-                view.copy_(p.grad)
-                p.grad = view
-            at += n
-        return flat
-
     def _buffer(self, dtype, numel):
         """dtype's buffer, kept from step to step (a new one each step costs its page
         faults, as much as a copy or more; p.grad never points into it, so nothing the
@@ -450,6 +439,25 @@ class StepBuffers:
         if flat is None or flat.numel() != numel:
             flat = self._flat[dtype] = torch.empty(numel, dtype=dtype)
         return flat
+
+
+def parameter_names(optimizer, named_parameters, prefix: str) -> dict:
+    """parameter -> its gradient's tensor name: "grad.<name>" from named_parameters (each
+    name once, every parameter named), else "<prefix>.<position>"."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if named_parameters is None:
+        return {p: f"{prefix}.{i}" for i, p in enumerate(params)}
+    named = _name_pairs(named_parameters)
+    names = [n for n, _ in named]
+    if len(set(names)) != len(names):
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        raise UsageError(f"named_parameters has duplicate names: {dupes}")
+    by_param = {p: f"grad.{n}" for n, p in named}
+    unnamed = [i for i, p in enumerate(params) if p not in by_param]
+    if unnamed:
+        raise UsageError(f"named_parameters does not name every parameter of the optimizer "
+                         f"(parameters at positions {unnamed[:10]} are missing)")
+    return {p: by_param[p] for p in params}
 
 
 def outside(process_set) -> bool:

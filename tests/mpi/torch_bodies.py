@@ -181,17 +181,20 @@ def training_matches_one_process(kind="sgd", dtype_name="float64", passes="1", c
 
 
 def bucket_views_alias_across_steps():
-    """gradient_as_bucket_view=True, gradients reduced at step(): after a step every
-    gradient is a view of one buffer and holds the average of every rank's gradient; a
-    gradient kept from the step before is that same memory (the documented hazard: it
-    shows the newest average, not its own step's); a gradient the caller replaced with a
-    tensor of its own is copied in and becomes a view again; zero_grad() zeroes in place."""
+    """gradient_as_bucket_view=True, gradients reduced at step() (overlap off) or in
+    buckets from the hooks (on): after a step every gradient is a view of one buffer and
+    holds the average of every rank's gradient (computed here from a replica's own
+    backward); a gradient kept from the step before is that same memory (the documented
+    hazard: it shows the newest average, not its own step's); a gradient the caller
+    replaced with a tensor of its own is copied in and becomes a view again; zero_grad()
+    zeroes in place. With overlap, from the second step on every hook finds its gradient
+    a view of its bucket (so a bucket is reduced as one request)."""
+    import copy
+
     from ringsync.torch.optimizer import overlaps
     hvd.init()
-    if overlaps(hvd.global_process_set.communicator()):
-        hvd.shutdown()
-        return  # (gradients reduced during backward: their own path, checked elsewhere)
-    me, size = hvd.rank(), hvd.size()
+    overlap = overlaps(hvd.global_process_set.communicator())
+    me = hvd.rank()
     model = _model(torch.float64)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
                                    named_parameters=model.named_parameters(),
@@ -202,15 +205,18 @@ def bucket_views_alias_across_steps():
         opt.zero_grad()
         if kept is not None:
             assert all(torch.count_nonzero(k) == 0 for k in kept), "zero_grad in place"
+            if overlap:
+                assert all(opt._buckets.is_view(p) for p in params), "bucket views"
         g = torch.Generator().manual_seed(7 * step + me)
         x, y = torch.randn(5, 10, generator=g, dtype=torch.float64), \
             torch.randn(5, 3, generator=g, dtype=torch.float64)
+        replica = copy.deepcopy(model)
+        torch.nn.functional.mse_loss(replica(x), y).backward()
+        expected = [hvd.allreduce(q.grad, op=hvd.Average, name=f"expect.{step}.{i}")
+                    for i, q in enumerate(replica.parameters())]
         torch.nn.functional.mse_loss(model(x), y).backward()
-        if step == 2:  # the caller puts a tensor of its own in place of a gradient
+        if step == 2 and not overlap:  # the caller puts a tensor of its own in place of one
             params[0].grad = params[0].grad.clone() * 1.0
-        local = [p.grad.clone() for p in params]
-        expected = [hvd.allreduce(t, op=hvd.Average, name=f"expect.{step}.{i}")
-                    for i, t in enumerate(local)]
         opt.step()
         for i, (p, e) in enumerate(zip(params, expected)):
             assert torch.allclose(p.grad, e, rtol=1e-12, atol=0), f"step {step} grad {i}"

@@ -371,15 +371,19 @@ def test_a_joined_rank_leaves_calls_made_after_the_join_to_its_own_next_call(siz
                     env={**PATHS["shm"], "RINGSYNC_TIMEOUT_SECONDS": "20"})
 
 
-def _abort_beside_pending_work(comm, rounds):
+def _abort_beside_pending_work(comm, rounds, submitted):
     """Rank 0 leaves many allreduces pending (rank 1 never submits them); rank 1 goes
-    away, so rank 0's engine thread finds a lost peer with work pending while rank 0's
-    own thread aborts the ring: the two must not both take the negotiation apart."""
+    away once they are all submitted (`submitted`, an event: before, rank 0's engine could
+    fail a submission of the lost peer's), so rank 0's engine thread finds a lost peer
+    with work pending while rank 0's own thread aborts the ring: the two must not both
+    take the negotiation apart."""
     if comm.rank() == 0:
         handles = [comm.allreduce_async(np.ones(2), name=f"never.{i}") for i in range(rounds)]
+        submitted.set()
         time.sleep(0.002 * (rounds % 3))
         comm.abort("the test aborts beside pending work")
         return len(handles)
+    assert submitted.wait(30), "rank 0 did not submit its allreduces"
     comm.abort("rank 1 leaves")
     return 0
 
@@ -388,7 +392,8 @@ def _abort_beside_pending_work(comm, rounds):
 def test_aborting_while_the_engine_finds_a_lost_peer(attempt):
     """Before the fix, rs_engine_fail freed the negotiator's map from the caller's thread
     while the engine thread iterated it (a segfault seen in elastic recovery)."""
-    outcomes = run_ranks(_abort_beside_pending_work, 2, timeout=60, args=(500 + attempt,),
+    outcomes = run_ranks(_abort_beside_pending_work, 2, timeout=60,
+                         args=(500 + attempt, threading.Event()),
                          env={"RINGSYNC_TRANSPORT": "tcp", "RINGSYNC_TIMEOUT_SECONDS": "30"})
     assert outcomes[0].value == 500 + attempt, outcomes
 
