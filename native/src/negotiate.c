@@ -555,7 +555,7 @@ rs_status_t rs_negotiate(rs_comm_t *comm, rs_negotiator_t *n, rs_work_t **batch,
     pending_list_t touched = {0};
     size_t payload_bytes = 0;
     rs_status_t st;
-    if (!bits)
+    if (!bits || rs_map_reserve(&mine, (size_t)(nbatch > 0 ? nbatch : 0)) != 0)
         RS_CHECK_GOTO(no_memory(n, "for the cache bits"), st, out);
     for (int i = 0; i < nbatch; i++)
         if (rs_map_put(&mine, batch[i]->name, batch[i]) != 0)

@@ -34,9 +34,9 @@ void *rs_map_get(const rs_map_t *m, const char *key) {
     return m->keys[i] ? m->values[i] : NULL;
 }
 
-static int map_grow(rs_map_t *m) {
+static int map_resize(rs_map_t *m, size_t capacity) {
     rs_map_t bigger = {0};
-    bigger.capacity = m->capacity ? m->capacity * 2 : 64;
+    bigger.capacity = capacity;
     bigger.keys = calloc(bigger.capacity, sizeof *bigger.keys);
     bigger.values = calloc(bigger.capacity, sizeof *bigger.values);
     if (!bigger.keys || !bigger.values) {
@@ -56,6 +56,15 @@ static int map_grow(rs_map_t *m) {
     free(m->values);
     *m = bigger;
     return 0;
+}
+
+static int map_grow(rs_map_t *m) { return map_resize(m, m->capacity ? m->capacity * 2 : 64); }
+
+int rs_map_reserve(rs_map_t *m, size_t count) {
+    size_t capacity = m->capacity ? m->capacity : 64;
+    while (capacity < 2 * count)
+        capacity *= 2;
+    return capacity == m->capacity ? 0 : map_resize(m, capacity);
 }
 
 int rs_map_put(rs_map_t *m, const char *key, void *value) {

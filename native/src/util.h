@@ -37,6 +37,8 @@ typedef struct {
 
 void *rs_map_get(const rs_map_t *m, const char *key);
 int rs_map_put(rs_map_t *m, const char *key, void *value); /* key is copied; 0 on success */
+/* Room for `count` entries without growing (a round's map is filled at once); 0 on success. */
+int rs_map_reserve(rs_map_t *m, size_t count);
 void rs_map_remove(rs_map_t *m, const char *key);
 void rs_map_free(rs_map_t *m);
 
