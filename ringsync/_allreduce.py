@@ -53,7 +53,7 @@ class AllreduceCollectives:
                    name=None):
         """Reduce x in place; returns x's array."""
         if name is None:
-            name = self._name(None, "allreduce_")
+            name = self._name(None, "allreduce")  # (as every allreduce: mixed callers match)
         fast = self._ring.entry
         if fast is not None:
             done = fast.run(x, x, op, prescale_factor, postscale_factor, name)
@@ -94,7 +94,7 @@ class AllreduceCollectives:
                          name=None) -> Handle:
         """Start reducing x in place; synchronize returns x's array."""
         if name is None:
-            name = self._name(None, "allreduce_")
+            name = self._name(None, "allreduce")  # (as every allreduce: mixed callers match)
         if type(x) is np.ndarray:  # (the native entry, as a batch of one)
             handle = self._submitter.start_batch(self, [x], [name], op, prescale_factor,
                                                  postscale_factor, "allreduce_", single=True)

@@ -193,7 +193,6 @@ class Submitter:
 
     def __init__(self, ring):
         self.ring = ring
-        self._per_thread = threading.local()
         self._cache = _RequestCache()
         # (handle ids, buffers) of dropped pending handles. A deque: a handle may be dropped
         # (by the garbage collector, in any thread) while a sweep runs, and its append and
@@ -308,7 +307,7 @@ class Submitter:
         if lane and self.ring.lane and not self.ring.closed:
             # (the native entry takes calls like this one from now on)
             self.ring.entry.remember(src, op, prescale, postscale,
-                                         int(ffi.cast("uintptr_t", struct)))
+                                     int(ffi.cast("uintptr_t", struct)))
             struct.sendbuf = ffi.from_buffer(src)
             struct.recvbuf = struct.sendbuf if out is src else ffi.from_buffer(out)
             names = cache.names.get(name) or cache.name(name)

@@ -316,3 +316,28 @@ def _batch_in_flight_and_dropped(comm):
 
 def test_a_batch_in_flight_and_a_dropped_batch():
     assert_ranks_ok(_batch_in_flight_and_dropped, 2, timeout=TIMEOUT, env=ENV)
+
+
+def _unnamed_forms_match(comm):
+    """Unnamed calls are named in call order alike whichever form a rank uses (in place,
+    into a new array, asynchronous), so ranks that mix the forms (adapters of different
+    frameworks on one ring) still meet."""
+    me, size = comm.rank(), comm.size()
+    total = float(sum(range(1, size + 1)))
+    for round_ in range(3):  # (the first remembers; the others take the entry)
+        x = np.full(3, me + 1.0)
+        if me == 0:
+            comm.allreduce_(x, op=rs.Sum)
+        else:
+            x = comm.allreduce(x, op=rs.Sum)
+        np.testing.assert_array_equal(x, np.full(3, total), f"round {round_}")
+        y = np.full(2, me + 1.0)
+        if me == 0:
+            comm.synchronize(comm.allreduce_async_(y, op=rs.Sum))
+        else:
+            y = comm.synchronize(comm.allreduce_async(y, op=rs.Sum))
+        np.testing.assert_array_equal(y, np.full(2, total), f"round {round_}")
+
+
+def test_unnamed_calls_match_across_their_forms():
+    assert_ranks_ok(_unnamed_forms_match, 2, timeout=TIMEOUT, env=ENV)
