@@ -118,7 +118,7 @@ def report(rows, hosts, rate):
         if size >= 16 << 20:
             eff = size * bound_factor / rows["ringsync_on"][i]
             print(f"  [{'met' if eff >= GOAL_EFFICIENCY else 'NOT met'}] {size >> 20} MiB: "
-                  f"hierarchical allreduce >= {GOAL_EFFICIENCY} of the link bound: {eff:.2f}")
+                  f"hierarchical allreduce >= {GOAL_EFFICIENCY} of the link bound: {eff:.3f}")
 
 
 def main(argv=None):
