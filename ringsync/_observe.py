@@ -68,6 +68,13 @@ def flight_records(engine, capacity: int, process_set: int = 0) -> list:
     return [_record_dict(out[i], offset, process_set) for i in range(n)]
 
 
+# Held while a thread of this process writes flight records, and by SIGTERM's ending from
+# its write until the process is gone: a failure's write on another thread (a peer that
+# the same SIGTERM ended) then either finished before or never starts, and no half-written
+# temporary file is left behind. (Process-wide: the files and the exit are.)
+RECORDS_WRITE_LOCK = threading.RLock()
+
+
 def leave_flight_records(ring, why: str, rank: int) -> None:
     """Write the ring's flight records to RINGSYNC_FLIGHT_RECORDER_DIR/rank-<rank>.json
     (nothing where it is unset), for `ringsync trace`."""
@@ -80,7 +87,8 @@ def leave_flight_records(ring, why: str, rank: int) -> None:
                 "records": flight_records(ring.engine, ring.config.flight_recorder_size)}
     path = os.path.join(directory, f"rank-{rank}.json")
     try:
-        write_json(path, document)
+        with RECORDS_WRITE_LOCK:
+            write_json(path, document)
     except OSError as e:
         print(f"ringsync: rank {rank}: cannot write its flight records {path}: {e}",
               file=sys.stderr, flush=True)
@@ -445,6 +453,7 @@ class TerminationRecords:
     def _end(self, exit_thread: bool):
         if not self._once.acquire(blocking=False):
             return  # (the other path is writing; it ends the process)
+        RECORDS_WRITE_LOCK.acquire()  # (never released: held until the process ends)
         try:
             self._leave_records("terminated by SIGTERM")
         except Exception:

@@ -14,6 +14,7 @@ import torch
 
 import ringsync.torch.checkpoint as checkpoint
 import ringsync.torch as hvd
+from ringsync._atomic import temporary_path
 
 BATCH = 12
 CONFIGS = ["plain", "stage1", "stage2", "stage3"]
@@ -129,7 +130,7 @@ def save_then_die_saving(path, steps):
     _train(model, opt, int(steps), int(steps) + 1)
     if hvd.rank() == 1:
         def write_half_then_die(target, data):
-            with open(f"{target}.tmp-{os.getpid()}", "wb") as f:
+            with open(temporary_path(target), "wb") as f:
                 f.write(data[: len(data) // 2])
                 f.flush()
             os.kill(os.getpid(), signal.SIGKILL)

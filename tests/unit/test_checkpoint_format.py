@@ -19,6 +19,7 @@ import pytest
 from ringsync.checkpoint import GENERATION_META, META, CheckpointError, Codec, Parts, \
     agreed, generations, open_checkpoint, save_generation
 
+from ringsync._atomic import temporary_path
 from tests.thread_ranks import assert_ranks_ok
 
 N = 23  # elements saved (a prime: the ranks' slices differ in size)
@@ -446,7 +447,7 @@ class Killed(BaseException):
 
 
 def _half_then_die(target, data):
-    with open(f"{target}.tmp-{os.getpid()}", "wb") as f:
+    with open(temporary_path(target), "wb") as f:
         f.write(data[: len(data) // 2])
     raise Killed(target)
 

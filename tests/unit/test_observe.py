@@ -232,3 +232,34 @@ def test_hang_reports_leave_a_c_handler_of_sigusr1_alone():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and "lambda" in out.stdout, out
+
+
+def test_two_threads_writing_one_file_atomically_leave_one_whole_file(tmp_path):
+    """A failure's flight records and SIGTERM's are written by two threads of one process
+    to one path: each thread writes its own temporary file (they once shared one, so a
+    rename found it gone, or the process ended with it half-written), and the path ends
+    holding one writer's whole data, with no temporary file left."""
+    import threading
+
+    from ringsync._atomic import write_atomically
+
+    path = str(tmp_path / "rank-0.json")
+    payloads = [bytes([65 + k]) * 200_000 for k in range(2)]
+    errors, start = [], threading.Barrier(2)
+
+    def writer(data):
+        try:
+            start.wait()
+            for _ in range(100):
+                write_atomically(path, data)
+        except BaseException as exc:  # (reported below)
+            errors.append(exc)
+    threads = [threading.Thread(target=writer, args=(p,)) for p in payloads]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert sorted(os.listdir(tmp_path)) == ["rank-0.json"]
+    with open(path, "rb") as f:
+        assert f.read() in payloads
