@@ -18,7 +18,7 @@ INCLUDE = os.path.join(HERE, "include")
 #   tcp_setup, transport_tcp, transport_shm
 #                                         the transports (only comm.c names them)
 #   topology, comm                        where the ranks sit; the communicator's life
-#   adasum, ring, gather_log, hierarchical, ordered, algorithms
+#   adasum, ring, gather_log, pipeline, hierarchical, ordered, algorithms
 #                                         the collective algorithms
 #   timeline, records, negotiate, lane, execute
 #                                         what the engine thread uses (and the lane, on
@@ -29,7 +29,7 @@ INCLUDE = os.path.join(HERE, "include")
 #   xla_ffi                               the blocking allreduce as an XLA custom call
 SOURCES = ["util.c", "reduce.c", "status.c", "checked.c", "auth.c", "progress.c",
            "tcp_setup.c", "transport_tcp.c", "transport_shm.c", "topology.c", "comm.c",
-           "adasum.c", "ring.c", "gather_log.c", "hierarchical.c", "ordered.c",
+           "adasum.c", "ring.c", "gather_log.c", "pipeline.c", "hierarchical.c", "ordered.c",
            "algorithms.c", "timeline.c", "records.c", "negotiate.c", "lane.c", "execute.c",
            "engine.c", "submit.c", "observe.c", "xla_ffi.c"]
 

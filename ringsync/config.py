@@ -278,7 +278,10 @@ class Config:
              "instead of one ring over all ranks. `auto`: from "
              "`RINGSYNC_HIERARCHICAL_BYTES` on; `on` (or `1`, as Horovod's "
              "`HOROVOD_HIERARCHICAL_ALLREDUCE=1`): every allreduce; `off` (or `0`): never. "
-             "Other layouts always take the ring. Read case-insensitively")
+             "Allgathers (above `RINGSYNC_SMALL_GATHER_BYTES`) and reducescatters follow "
+             "the same setting: they gather or reduce-scatter across hosts per local rank "
+             "and inside each host over shared memory. Other layouts always take the ring. "
+             "Read case-insensitively")
     # Why 1 MiB (reasoned; not swept). Per rank the hierarchical allreduce moves the same
     # bytes as the ring and takes load off the links between hosts, but its cross-host
     # messages are S/(L*H) bytes: below about 1 MiB they are tens of KiB, latency bound
@@ -290,10 +293,11 @@ class Config:
         zero="every allreduce above `RINGSYNC_SMALL_ALLREDUCE_BYTES`", agreed=True,
         help="`RINGSYNC_HIERARCHICAL_ALLREDUCE=auto`: allreduces of at least this size go "
              "hierarchical (smaller ones take the ring, or one round up to "
-             "`RINGSYNC_SMALL_ALLREDUCE_BYTES`). Out of each host the ring sends 2(N−1)/N of "
-             "the buffer through one connection, the hierarchical allreduce 2(H−1)/H of it "
-             "through one per local rank (N ranks, H hosts): 1.5× against 1× on 2 hosts of "
-             "2 ranks")
+             "`RINGSYNC_SMALL_ALLREDUCE_BYTES`), and so do allgathers and reducescatters "
+             "of at least this many bytes in all. Out of each host the ring sends 2(N−1)/N "
+             "of the buffer through one connection, the hierarchical allreduce 2(H−1)/H of "
+             "it through one per local rank (N ranks, H hosts): 1.5× against 1× on 2 hosts "
+             "of 2 ranks (allgather and reducescatter: (N−1)/N against (H−1)/H)")
     deterministic: int = _setting(
         0, "RINGSYNC_DETERMINISTIC", maximum=1, agreed=True,
         help="1: allreduce and reducescatter results are the same bits from run to run for "

@@ -136,6 +136,8 @@ static rs_status_t reduce_scatter_copy(rs_comm_t *comm, const void *sendbuf, cha
     rs_reduce_fn fn = rs_reduce_kernel(dtype, op);
     if (comm->deterministic)
         return rs_ordered_reduce_scatter(comm, work, b, elem, fn);
+    if (rs_hierarchical_chosen(comm, total))
+        return rs_hierarchical_reduce_scatter(comm, work, b, elem, fn);
     rs_group_t all = rs_group_all(comm);
     return rs_ring_reduce_scatter(comm, &all, work, b, elem, fn);
 }
@@ -174,6 +176,8 @@ rs_status_t rs_allgatherv(rs_comm_t *comm, const void *sendbuf, void *recvbuf,
                           const int64_t *counts, size_t elem_bytes) {
     size_t total;
     RS_CHECK(rs_gather_total(comm, counts, elem_bytes, &total));
+    /* Small gathers (the engine's negotiation among them) take log2(N) rounds whatever the
+     * hierarchical setting: they are latency, not bandwidth. */
     if (comm->size > 2 && total <= comm->small_gather_bytes)
         return rs_allgatherv_log(comm, sendbuf, recvbuf, counts, elem_bytes);
     rs_blocks_t b;
@@ -182,7 +186,11 @@ rs_status_t rs_allgatherv(rs_comm_t *comm, const void *sendbuf, void *recvbuf,
     if (b.bytes[comm->rank] && mine != sendbuf)
         memmove(mine, sendbuf, b.bytes[comm->rank]);
     rs_group_t all = rs_group_all(comm);
-    rs_status_t st = comm->size > 1 ? rs_ring_allgather(comm, &all, recvbuf, &b) : RS_OK;
+    rs_status_t st = RS_OK;
+    if (rs_hierarchical_chosen(comm, total))
+        st = rs_hierarchical_allgatherv(comm, recvbuf, &b, elem_bytes);
+    else if (comm->size > 1)
+        st = rs_ring_allgather(comm, &all, recvbuf, &b);
     free(b.bytes);
     return st;
 }

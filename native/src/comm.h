@@ -39,6 +39,7 @@ typedef struct {
     int local_index;  /* my place among them */
     int *cross_ranks; /* per host, in host order, its rank with my local index */
     int cross_index;  /* my host's number: my place among those */
+    int *host_ranks;  /* every host's ranks: [h * local_size + i] is host h's local index i */
 } rs_topology_t;
 
 struct rs_transport; /* the table a transport fills (transport.h) */

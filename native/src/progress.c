@@ -83,9 +83,9 @@ static rs_status_t fail_no_progress(rs_comm_t *comm, const rs_xfer_t *xfers, int
 
 static int done(const rs_xfer_t *x) { return x->done >= x->len; }
 
-static int any_pair_done(const rs_xfer_t *xfers, int n) {
-    for (int i = 0; i + 1 < n; i += 2)
-        if (done(&xfers[i]) && done(&xfers[i + 1]))
+static int any_done(const rs_xfer_t *xfers, int n) {
+    for (int i = 0; i < n; i++)
+        if (xfers[i].len > 0 && done(&xfers[i]))
             return 1;
     return 0;
 }
@@ -98,8 +98,8 @@ rs_status_t rs_progress(rs_comm_t *comm, rs_xfer_t *xfers, int n) {
     return progress_until(comm, xfers, n, NULL);
 }
 
-rs_status_t rs_progress_any_pair(rs_comm_t *comm, rs_xfer_t *xfers, int n) {
-    return any_pair_done(xfers, n) ? RS_OK : progress_until(comm, xfers, n, any_pair_done);
+rs_status_t rs_progress_any(rs_comm_t *comm, rs_xfer_t *xfers, int n) {
+    return any_done(xfers, n) ? RS_OK : progress_until(comm, xfers, n, any_done);
 }
 
 static rs_status_t progress_until(rs_comm_t *comm, rs_xfer_t *xfers, int n,

@@ -23,9 +23,10 @@ struct rs_xfer {
 /* Progress all transfers until every one is done, a peer fails, or no byte has moved
  * for the communicator's timeout. */
 rs_status_t rs_progress(rs_comm_t *comm, rs_xfer_t *xfers, int n);
-/* The same, but return as soon as one pair (xfers[2i], xfers[2i+1]) is done: n is even;
- * a pipeline runs a step of each of its stages at once. */
-rs_status_t rs_progress_any_pair(rs_comm_t *comm, rs_xfer_t *xfers, int n);
+/* The same, but return as soon as one transfer of at least a byte is done, so that the
+ * caller can put the next one in its place (streams of ring steps, ring.c). A caller
+ * retires a transfer it has nothing to follow with by setting its length to 0. */
+rs_status_t rs_progress_any(rs_comm_t *comm, rs_xfer_t *xfers, int n);
 /* Fail with a message that tells a lost peer from one that aborted. */
 rs_status_t rs_fail_lost_peer(rs_comm_t *comm, int peer);
 

@@ -72,14 +72,80 @@ size_t rs_largest_block(const rs_blocks_t *b, int n) {
     return largest;
 }
 
-/* Steps first..last-1 of a run, one after another. */
-static rs_status_t run_steps(rs_comm_t *comm, const rs_ring_run_t *run, int first, int last) {
-    for (int s = first; s < last; s++) {
-        rs_xfer_t x[2];
-        rs_ring_arrival_t arrival;
-        rs_ring_step(run, s, x, &arrival);
-        RS_CHECK(rs_progress(comm, x, 2));
+static int xfer_done(const rs_xfer_t *x) { return x->done >= x->len; }
+
+static void retire(rs_xfer_t *x) { *x = (rs_xfer_t){.peer = -1}; }
+
+/* An allgather step's receive only counts what has arrived: the gate of the next send. */
+static void note_arrived(rs_xfer_t *x) { ((rs_ring_arrival_t *)x->arg)->reduced = x->done; }
+
+static void start_receive(rs_ring_stream_t *s) {
+    rs_xfer_t pair[2];
+    rs_ring_step(s->run, s->recv_step, pair, &s->arrival);
+    if (!pair[1].on_recv) {
+        s->arrival = (rs_ring_arrival_t){0};
+        pair[1].on_recv = note_arrived;
+        pair[1].arg = &s->arrival;
     }
+    s->x[1] = pair[1];
+}
+
+static void start_send(rs_ring_stream_t *s) {
+    rs_xfer_t pair[2];
+    rs_ring_arrival_t unused;
+    rs_ring_step(s->run, s->send_step, pair, &unused);
+    s->x[0] = pair[0];
+    if (s->send_step > s->first && s->recv_step == s->send_step - 1)
+        s->x[0].avail = &s->arrival.reduced; /* its block is still arriving */
+}
+
+void rs_ring_stream_start(rs_ring_stream_t *s, const rs_ring_run_t *run, rs_xfer_t x[2],
+                          int first, int last) {
+    *s = (rs_ring_stream_t){.run = run, .x = x, .first = first, .last = last,
+                            .send_step = first, .recv_step = first};
+    if (first >= last) {
+        retire(&x[0]);
+        retire(&x[1]);
+        return;
+    }
+    start_receive(s);
+    start_send(s);
+}
+
+int rs_ring_stream_advance(rs_ring_stream_t *s) {
+    if (s->first >= s->last)
+        return 1;
+    for (int moved = 1; moved;) {
+        moved = 0;
+        if (xfer_done(&s->x[1]) && s->recv_step + 1 < s->last) {
+            s->x[0].avail = NULL; /* a send waiting for this receive's block has it all */
+            s->recv_step++;
+            start_receive(s);
+            moved = 1;
+        }
+        if (xfer_done(&s->x[0]) && s->send_step + 1 < s->last) {
+            s->send_step++;
+            start_send(s);
+            moved = 1;
+        }
+    }
+    int through = 1;
+    for (int i = 0; i < 2; i++) {
+        if (xfer_done(&s->x[i]))
+            retire(&s->x[i]); /* its last step: nothing follows it */
+        else
+            through = 0;
+    }
+    return through;
+}
+
+/* Steps first..last-1 of a run, as two streams. */
+static rs_status_t run_steps(rs_comm_t *comm, const rs_ring_run_t *run, int first, int last) {
+    rs_xfer_t x[2];
+    rs_ring_stream_t s;
+    rs_ring_stream_start(&s, run, x, first, last);
+    while (!rs_ring_stream_advance(&s))
+        RS_CHECK(rs_progress_any(comm, x, 2));
     return RS_OK;
 }
 

@@ -54,6 +54,26 @@ typedef struct {
  * reduce-scatter step's receive reduces through *arrival, which must outlive them. */
 void rs_ring_step(const rs_ring_run_t *run, int s, rs_xfer_t x[2], rs_ring_arrival_t *arrival);
 size_t rs_largest_block(const rs_blocks_t *b, int n);
+
+/* Steps first..last-1 of a run taken as two streams: this member's sends and its
+ * receives each go on to their next step as soon as their own transfer is done, not both
+ * at the end of every step, so that neither direction of a link waits for the other
+ * (pipelining across ring steps). Send step s carries the block that receive step s-1
+ * brings, and only as far as that has arrived (and, reduce-scattering, been reduced):
+ * its `avail` is the receive's progress until the receive is done. */
+typedef struct {
+    const rs_ring_run_t *run;
+    rs_xfer_t *x; /* x[0] the send, x[1] the receive: the caller progresses them in place */
+    int first, last;
+    int send_step, recv_step;
+    rs_ring_arrival_t arrival; /* the current receive's */
+} rs_ring_stream_t;
+/* Put steps `first` of `run` into x[0] and x[1] (both of length 0 when first >= last). */
+void rs_ring_stream_start(rs_ring_stream_t *s, const rs_ring_run_t *run, rs_xfer_t x[2],
+                          int first, int last);
+/* After progress (rs_progress_any): each side whose transfer is done takes its next
+ * step, or, with none left, gets length 0. Returns whether both sides are through. */
+int rs_ring_stream_advance(rs_ring_stream_t *s);
 /* In place: afterwards block g->me holds the reduction of that block over the group. */
 rs_status_t rs_ring_reduce_scatter(rs_comm_t *comm, const rs_group_t *g, char *buf,
                                    const rs_blocks_t *b, size_t elem, rs_reduce_fn fn);

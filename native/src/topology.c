@@ -10,6 +10,7 @@
 void rs_topology_free(rs_topology_t *t) {
     free(t->local_ranks);
     free(t->cross_ranks);
+    free(t->host_ranks);
     memset(t, 0, sizeof *t);
 }
 
@@ -41,18 +42,20 @@ static int uniform(const int *count, int hosts) {
 }
 
 /* The groups of a uniform layout: this host's ranks, and the ranks with my local index
- * on every host, each in ring order (rank order, host order). */
+ * on every host, each in ring order (rank order, host order); and every host's ranks. */
 static rs_status_t fill_groups(rs_comm_t *comm, const int *host, const int *index, int hosts,
                                int local_size) {
     rs_topology_t *t = &comm->topology;
     t->local_ranks = malloc((size_t)local_size * sizeof *t->local_ranks);
     t->cross_ranks = malloc((size_t)hosts * sizeof *t->cross_ranks);
-    if (!t->local_ranks || !t->cross_ranks) {
+    t->host_ranks = malloc((size_t)comm->size * sizeof *t->host_ranks);
+    if (!t->local_ranks || !t->cross_ranks || !t->host_ranks) {
         rs_topology_free(t);
         return rs_fail(comm, RS_ERR_NOMEM, "out of memory");
     }
     int me = comm->rank;
     for (int r = 0; r < comm->size; r++) {
+        t->host_ranks[host[r] * local_size + index[r]] = r;
         if (host[r] == host[me])
             t->local_ranks[index[r]] = r;
         if (index[r] == index[me])

@@ -259,7 +259,8 @@ RUN_OPTIONS = [
               "checks (to turn off the negotiation cache: --cache-capacity 0)", _SWITCH)),
     (("--autotune-gaussian-process-noise",), _ignored(_NO_AUTOTUNE, metavar="VALUE")),
     (("--hierarchical-allgather", "--no-hierarchical-allgather"),
-     _ignored("ringsync's allgather has no hierarchical form", _SWITCH)),
+     _ignored("ringsync's allgather goes hierarchical with the allreduce's setting "
+              "(--hierarchical-allreduce, RINGSYNC_HIERARCHICAL_ALLREDUCE)", _SWITCH)),
     (("--mpi-threads-disable", "--no-mpi-threads-disable"),
      _ignored("ringsync makes no MPI calls while tensors move", _SWITCH)),
     (("--num-nccl-streams",), _ignored("ringsync does not use NCCL", metavar="N")),
