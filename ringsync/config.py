@@ -249,7 +249,9 @@ class Config:
     lane_spin_us: float = _setting(
         -1.0, "RINGSYNC_LANE_SPIN_US", unit="µs", maximum=SPIN_MAX_US, default_text="(auto)",
         help="how long a wait on the lane, or in a staged allreduce, spins before it "
-             "sleeps. Auto: 500 where the host has a core per local rank (a staged "
+             "sleeps; also how long the engine's waits for same-host peers spin while a "
+             "calling thread is blocked waiting for the engine (its core is idle then). "
+             "Auto: 500 where the host has a core per local rank (a staged "
              "allreduce waits twice per 256 KiB chunk, and a wait that sleeps costs a "
              "wake-up: 16 MiB measured 1.4-1.7x faster than with 50), else 0")
     small_allreduce_bytes: int = _setting(

@@ -54,7 +54,6 @@ SLOW_FRAMEWORKS = [
     "tests/mpi/test_mixed_frameworks.py::test_torch_and_keras_ranks_train_one_model_over_one_ring[3-*",
     "tests/mpi/test_torch.py::test_torch[3]",
     "tests/mpi/test_jax.py::*[1]",
-    "tests/mpi/test_jax.py::*[3]",
     "tests/mpi/test_jax.py::test_jitted_collective_matrix_through_python_callbacks",
     "tests/mpi/test_jax.py::test_unordered_collectives_pair_up_with_xlas_own_threads",
     "tests/mpi/test_jax.py::test_jax_ranks_join_torch_tensorflow_and_numpy_ranks",

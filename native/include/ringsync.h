@@ -109,6 +109,10 @@ rs_status_t rs_comm_set_deterministic(rs_comm_t *comm, int on);
  * not included. The same-host lane and the staged allreduce, which work in shared areas
  * rather than sending, are not counted. */
 rs_status_t rs_comm_traffic(const rs_comm_t *comm, int64_t *tcp_bytes, int64_t *shm_bytes);
+/* A debug counter: how many threads are blocked in rs_engine_wait on this communicator's
+ * engine now (while any is, the engine's shared-memory waits spin for the lane's spin
+ * time instead of sleeping at once). */
+int rs_comm_callers_waiting(const rs_comm_t *comm);
 /* The transport in use after connect: "tcp" or "shm" (shm with same-host peers). */
 const char *rs_comm_transport_name(const rs_comm_t *comm);
 /* Break every connection now (peers see the failure); the communicator stays allocated. */

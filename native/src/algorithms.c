@@ -124,20 +124,24 @@ rs_status_t rs_allreduce(rs_comm_t *comm, const void *sendbuf, void *recvbuf, si
     return rs_finish_scale(comm, recvbuf, count, dtype, op, postscale);
 }
 
-/* The ring reduces in place, and sendbuf is the caller's: it works on a copy. The
- * deterministic mode exchanges the blocks in one round instead, to fold them in rank
- * order (ordered.c). */
+/* The ring reduces in place, and sendbuf is the caller's: it works on a copy (the
+ * hierarchical one, unscaled, copies each chunk as its pipeline reaches it, so that the
+ * copy overlaps the transfers). The deterministic mode exchanges the blocks in one round
+ * instead, to fold them in rank order (ordered.c). */
 static rs_status_t reduce_scatter_copy(rs_comm_t *comm, const void *sendbuf, char *work,
                                        size_t total, const rs_blocks_t *b, size_t elem,
                                        rs_dtype_t dtype, rs_op_t op, double prescale) {
+    rs_reduce_fn fn = rs_reduce_kernel(dtype, op);
+    int hierarchical = !comm->deterministic && rs_hierarchical_chosen(comm, total);
+    if (hierarchical && prescale == 1.0)
+        return rs_hierarchical_reduce_scatter(comm, sendbuf, work, b, elem, fn);
     memcpy(work, sendbuf, total);
     if (prescale != 1.0)
         RS_CHECK(rs_scale(comm, work, total / elem, dtype, prescale));
-    rs_reduce_fn fn = rs_reduce_kernel(dtype, op);
     if (comm->deterministic)
         return rs_ordered_reduce_scatter(comm, work, b, elem, fn);
-    if (rs_hierarchical_chosen(comm, total))
-        return rs_hierarchical_reduce_scatter(comm, work, b, elem, fn);
+    if (hierarchical)
+        return rs_hierarchical_reduce_scatter(comm, NULL, work, b, elem, fn);
     rs_group_t all = rs_group_all(comm);
     return rs_ring_reduce_scatter(comm, &all, work, b, elem, fn);
 }
@@ -152,7 +156,7 @@ rs_status_t rs_reducescatter(rs_comm_t *comm, const void *sendbuf, void *recvbuf
     size_t elem = rs_dtype_size(dtype), total;
     rs_blocks_t b;
     RS_CHECK(blocks_from_counts(comm, counts, elem, &b, &total));
-    char *work = comm->size > 1 ? malloc(total ? total : 1) : NULL;
+    char *work = comm->size > 1 ? rs_malloc_large(total) : NULL;
     size_t my_bytes = b.bytes[comm->rank];
     const char *mine = work ? work + b.offset[comm->rank] : (const char *)sendbuf;
     rs_status_t st = RS_OK;

@@ -115,6 +115,10 @@ rs_status_t rs_comm_set_deterministic(rs_comm_t *comm, int on) {
     return RS_OK;
 }
 
+int rs_comm_callers_waiting(const rs_comm_t *comm) {
+    return __atomic_load_n(&comm->callers_waiting, __ATOMIC_RELAXED);
+}
+
 rs_status_t rs_comm_traffic(const rs_comm_t *comm, int64_t *tcp_bytes, int64_t *shm_bytes) {
     if (!tcp_bytes || !shm_bytes)
         return RS_ERR_USAGE; /* (a read-only look at comm: no record to write) */

@@ -48,7 +48,9 @@ struct rs_shm;       /* the shared-memory rings (transport_shm.c) */
 /* Who touches what. Set up by the creating thread before an engine exists, then fixed:
  * rank, size, timeouts, job id and secret, host_names, topology, transport_mode,
  * spin_seconds, small_gather_bytes, hierarchical_mode and _min_bytes, deterministic,
- * count_traffic.
+ * count_traffic, waiting_spin_seconds (by the engine's creation).
+ * callers_waiting is added to and read atomically by any thread (the calling threads
+ * around their wait in rs_engine_wait; the engine thread's shared-memory waits read it).
  * small_allreduce_bytes too, except that a tune request (autotune) changes it on the
  * engine thread: stored and read atomically everywhere. The `traffic` counters are added
  * to by whichever thread sends (the engine thread; a lane caller never sends through the
@@ -98,6 +100,11 @@ struct rs_comm {
     int transport_mode;  /* RS_TRANSPORT_*: what rs_comm_connect sets up */
     struct rs_shm *shm;  /* the shared-memory rings, or NULL */
     double spin_seconds; /* how long a shared-memory wait spins before it blocks */
+    /* ... and how long while a calling thread is blocked waiting for the engine: that
+     * thread's core is idle then, so the engine's waits for its peers need not pay a
+     * wake-up (the lane's spin time) */
+    double waiting_spin_seconds;
+    int callers_waiting; /* threads blocked in rs_engine_wait */
     size_t small_allreduce_bytes; /* up to this size, allreduce exchanges whole buffers */
     size_t small_gather_bytes;    /* allgathers up to this total take log2(N) rounds */
     rs_topology_t topology;       /* hosts and the hierarchical allreduce's groups */

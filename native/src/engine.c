@@ -678,6 +678,11 @@ static void open_lanes(rs_engine_t *e, const rs_engine_config_t *config) {
     if (config->lane_max_bytes > 0)
         e->lane = rs_lane_create(comm, 0, config->lane_spin_seconds,
                                  config->stall_check_seconds, (size_t)config->lane_max_bytes);
+    /* Every rank on this host (the lane's condition), whose cores the spin time was chosen
+     * for: the engine's waits may spin while a caller waits. (Ranks on several hosts may
+     * share cores the topology cannot see, as namespace hosts on one machine do.) */
+    if (e->lane)
+        comm->waiting_spin_seconds = config->lane_spin_seconds;
     if (config->staged_min_bytes > 0) {
         e->executor.staged = rs_lane_create(comm, 1, comm->spin_seconds, 0, 0);
         e->executor.staged_min_bytes = (size_t)config->staged_min_bytes;

@@ -124,7 +124,7 @@ static rs_status_t run_allgather(rs_executor_t *x, rs_pending_t *p) {
         rows += p->metas[r].shape[0];
     }
     size_t bytes = (size_t)(rows * row_elements(m)) * elem;
-    void *out = malloc(bytes ? bytes : 1);
+    void *out = rs_malloc_large(bytes);
     double start = rs_now();
     rs_status_t st;
     if (!out)

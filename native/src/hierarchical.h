@@ -18,9 +18,11 @@ rs_status_t rs_hierarchical_allreduce(rs_comm_t *comm, char *buf, size_t count, 
  * `unit`), this rank's already there; afterwards buf holds every rank's. */
 rs_status_t rs_hierarchical_allgatherv(rs_comm_t *comm, char *buf, const rs_blocks_t *all,
                                        size_t unit);
-/* In place: afterwards this rank's block of buf (in `all`) holds the reduction of that
- * block over every rank; the others hold partial sums. */
-rs_status_t rs_hierarchical_reduce_scatter(rs_comm_t *comm, char *buf, const rs_blocks_t *all,
-                                           size_t elem, rs_reduce_fn fn);
+/* Afterwards this rank's block of buf (in `all`) holds the reduction of that block over
+ * every rank; the others hold partial sums. The input is src (each part copied into buf
+ * as the pipeline reaches it), or buf itself where src is NULL. */
+rs_status_t rs_hierarchical_reduce_scatter(rs_comm_t *comm, const char *src, char *buf,
+                                           const rs_blocks_t *all, size_t elem,
+                                           rs_reduce_fn fn);
 
 #endif

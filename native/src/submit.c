@@ -502,8 +502,11 @@ rs_status_t rs_engine_wait(rs_engine_t *e, int64_t handle, double timeout_second
         rs_lane_serve_joined(e->lane, &w->done, epoch, t);
         pthread_mutex_lock(&e->mu);
     }
+    /* (the engine's shared-memory waits spin while a caller is blocked here) */
+    __atomic_add_fetch(&e->comm->callers_waiting, 1, __ATOMIC_RELAXED);
     while (w && !w->done && pthread_cond_timedwait(&e->done_cv, &e->mu, &until) != ETIMEDOUT) {
     }
+    __atomic_sub_fetch(&e->comm->callers_waiting, 1, __ATOMIC_RELAXED);
     if (w)
         st = w->done ? w->status : RS_OK;
     else

@@ -5,7 +5,8 @@
  * its same-host peers' segments to send to them. The TCP connections stay, for peers on
  * other hosts and for everything that needs the kernel: noticing a peer's death (hangup)
  * or abort (urgent byte), and waking a rank that sleeps. A waiting rank spins on the ring
- * for a few microseconds (rs_comm_set_spin), then raises a "sleeping" flag and blocks in poll() on the
+ * for a few microseconds (rs_comm_set_spin; the lane's spin time while a calling thread is
+ * blocked waiting for the engine), then raises a "sleeping" flag and blocks in poll() on the
  * peer's socket; the peer, after moving bytes, sends one doorbell byte only when it sees
  * that flag. So a busy exchange makes no system calls and an idle rank uses no CPU.
  *
@@ -577,12 +578,20 @@ static rs_status_t drain_doorbells(rs_comm_t *comm, int peer) {
     return RS_OK;
 }
 
+/* A wait spins for spin_seconds, longer while a calling thread is blocked waiting for the
+ * engine (whose core is then idle). */
+static double spin_time(const rs_comm_t *comm) {
+    int waiting = __atomic_load_n(&comm->callers_waiting, __ATOMIC_RELAXED);
+    double spin = comm->spin_seconds;
+    return waiting && comm->waiting_spin_seconds > spin ? comm->waiting_spin_seconds : spin;
+}
+
 static rs_status_t shm_poll(rs_comm_t *comm, rs_wait_t *waits, int n, int timeout_ms,
                             int *lost_peer) {
     *lost_peer = -1;
     for (int k = 0; k < n; k++)
         waits[k].ready = 0;
-    double spin_until = rs_now() + comm->spin_seconds;
+    double spin_until = rs_now() + spin_time(comm);
     do {
         if (mark_shm_ready(comm, waits, n, 0))
             return RS_OK;

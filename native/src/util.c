@@ -5,8 +5,25 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "util.h"
+
+#define HUGE_PAGE ((size_t)2 << 20)
+#define LARGE_BYTES ((size_t)32 << 20)
+
+void *rs_malloc_large(size_t bytes) {
+    if (bytes < LARGE_BYTES)
+        return malloc(bytes ? bytes : 1);
+    void *p = NULL;
+    if (posix_memalign(&p, HUGE_PAGE, bytes) != 0)
+        return NULL;
+#ifdef MADV_HUGEPAGE
+    /* only advice: where the kernel has no transparent huge pages it changes nothing */
+    madvise(p, (bytes / HUGE_PAGE) * HUGE_PAGE, MADV_HUGEPAGE);
+#endif
+    return p;
+}
 
 uint64_t rs_fnv1a(const void *data, size_t len) {
     const unsigned char *p = data;

@@ -21,7 +21,9 @@ ENV = {"RINGSYNC_TIMEOUT_SECONDS": "60", "OMP_NUM_THREADS": "1", "JAX_PLATFORMS"
        "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"}
 
 
-@pytest.mark.parametrize("np", [1, 2, 3])
+# (1 and 2 ranks: 3 ranks' uneven splits are the core's, covered by the numpy and torch
+# matrices; a JAX job of 3 ranks cost the full suite 50 s on 2 cores)
+@pytest.mark.parametrize("np", [1, 2])
 def test_collectives_gradients_training_errors_and_checkpoints(np, tmp_path):
     """One job per rank count (each rank imports JAX once): the collective matrix eager
     and jitted, Horovod's gradient rules, training against one process, errors that leave
