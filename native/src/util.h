@@ -61,10 +61,11 @@ void rs_format_ranks(const unsigned char *flags, int n, int want, char *out, siz
  * one larger: it starts at *offset and has *length elements. */
 void rs_even_part(size_t count, int parts, int part, size_t *offset, size_t *length);
 
-/* malloc for large buffers (a collective's result or work space): from 4 MiB on, aligned
- * to and advised into 2 MiB pages where the kernel offers them, so that first touching
- * it costs one page fault per 2 MiB instead of one per 4 KiB (as numpy does for its own
- * large arrays). Released with free(). */
+/* malloc for large buffers (a collective's result or work space): from 32 MiB on, where
+ * glibc maps every allocation afresh, aligned to and advised into 2 MiB pages where the
+ * kernel offers them, so that first touching it costs one page fault per 2 MiB instead of
+ * one per 4 KiB (numpy does the same for its own large arrays). Below that glibc reuses
+ * freed memory, and advising it measured slower. Released with free(). */
 void *rs_malloc_large(size_t bytes);
 
 #endif
