@@ -15,10 +15,10 @@ INCLUDE = os.path.join(HERE, "include")
 #   util, reduce, status, checked, auth   the bottom: strings and maps, kernels, error
 #                                         records, checked sizes, the handshake's hashes
 #   progress                              transfers through the transport table
-#   tcp_setup, transport_tcp, transport_shm
+#   tcp_socket, tcp_setup, transport_tcp, transport_shm
 #                                         the transports (only comm.c names them)
 #   topology, comm                        where the ranks sit; the communicator's life
-#   adasum, ring, gather_log, pipeline, hierarchical, ordered, algorithms
+#   adasum, ring, gather_log, doubling, pipeline, hierarchical, ordered, algorithms
 #                                         the collective algorithms
 #   timeline, records, negotiate, lane, execute
 #                                         what the engine thread uses (and the lane, on
@@ -28,8 +28,8 @@ INCLUDE = os.path.join(HERE, "include")
 #                                         their view of its records and hang reports
 #   xla_ffi                               the blocking allreduce as an XLA custom call
 SOURCES = ["util.c", "reduce.c", "status.c", "checked.c", "auth.c", "progress.c",
-           "tcp_setup.c", "transport_tcp.c", "transport_shm.c", "topology.c", "comm.c",
-           "adasum.c", "ring.c", "gather_log.c", "pipeline.c", "hierarchical.c", "ordered.c",
+           "tcp_socket.c", "tcp_setup.c", "transport_tcp.c", "transport_shm.c", "topology.c", "comm.c",
+           "adasum.c", "ring.c", "gather_log.c", "doubling.c", "pipeline.c", "hierarchical.c", "ordered.c",
            "algorithms.c", "timeline.c", "records.c", "negotiate.c", "lane.c", "execute.c",
            "engine.c", "submit.c", "observe.c", "xla_ffi.c"]
 

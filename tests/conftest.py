@@ -183,7 +183,7 @@ SLOW_STRESS = [
     "tests/unit/test_leaks.py::test_elastic_recoveries_leave_nothing_behind[100]",
 ]
 
-# Jobs across virtual hosts (network namespaces, a launch agent per host; up to 32 ranks).
+# Jobs across virtual hosts (network namespaces, a launch agent per host; up to 128 ranks).
 SLOW_HOSTS = [
     "tests/hosts/test_many_hosts.py::test_collectives_across_hosts[*",
     "tests/hosts/test_many_hosts.py::test_hierarchical_allreduce_sends_the_link_bound",
@@ -191,7 +191,7 @@ SLOW_HOSTS = [
     "tests/hosts/test_many_hosts.py::test_address_that_reaches_the_peers[*",
     "tests/hosts/test_many_hosts.py::test_elastic_job_survives_losing_a_whole_host",
     "tests/hosts/test_many_hosts.py::test_a_link_taken_down_fails_every_rank",
-    "tests/hosts/test_many_hosts.py::test_32_ranks_on_4_hosts[*",
+    "tests/hosts/test_many_hosts.py::test_128_ranks_on_8_hosts[*",
     "tests/hosts/test_many_hosts.py::test_hosts_that_come_and_go",
 ]
 

@@ -6,6 +6,7 @@
 #include "adasum.h"
 #include "algorithms.h"
 #include "checked.h"
+#include "doubling.h"
 #include "gather_log.h"
 #include "hierarchical.h"
 #include "ordered.h"
@@ -14,6 +15,14 @@
 #include "util.h"
 
 static int mod(int a, int n) { return ((a % n) + n) % n; }
+
+/* Up to this many ranks a small allreduce exchanges whole buffers with every peer in one
+ * round; past it, recursive doubling (log2 N rounds, log2 N partners). Thread ranks on
+ * one 2-core host over loopback TCP, 4 bytes, median us, one round / doubling:
+ * MEASURED_LATER */
+#define RS_ONE_ROUND_MAX_RANKS 4
+/* Broadcasts up to this size go down a binomial tree, larger ones along the chain. */
+#define RS_TREE_BROADCAST_BYTES ((size_t)64 << 10)
 static int left_of(const rs_comm_t *c) { return mod(c->rank - 1, c->size); }
 static int right_of(const rs_comm_t *c) { return mod(c->rank + 1, c->size); }
 
@@ -95,8 +104,10 @@ static rs_status_t allreduce_among_ranks(rs_comm_t *comm, char *buf, size_t coun
                               : rs_ordered_allreduce(comm, buf, count, elem, fn);
     int hierarchical = rs_hierarchical_chosen(comm, bytes);
     int forced = hierarchical && comm->hierarchical_mode == RS_HIERARCHICAL_ON;
-    if (!forced && bytes <= small)
+    if (!forced && bytes <= small && comm->size <= RS_ONE_ROUND_MAX_RANKS)
         return rs_ordered_one_round(comm, buf, count, elem, fn);
+    if (!forced && bytes <= small)
+        return rs_doubling_allreduce(comm, buf, count, elem, fn);
     if (hierarchical)
         return rs_hierarchical_allreduce(comm, buf, count, elem, fn);
     rs_group_t all = rs_group_all(comm);
@@ -199,14 +210,17 @@ rs_status_t rs_allgatherv(rs_comm_t *comm, const void *sendbuf, void *recvbuf,
     return st;
 }
 
-/* Pipelined chain from the root around the ring: each rank forwards bytes to its right
- * neighbour as soon as they arrive from its left one. */
+/* Small buffers go down a binomial tree (log2 N latencies); large ones along a pipelined
+ * chain from the root around the ring: each rank forwards bytes to its right neighbour as
+ * soon as they arrive from its left one. */
 rs_status_t rs_broadcast(rs_comm_t *comm, void *buf, size_t bytes, int root) {
     if (root < 0 || root >= comm->size)
         return rs_fail(comm, RS_ERR_USAGE, "root rank %d is out of range [0, %d)", root,
                        comm->size);
     if (comm->size == 1 || bytes == 0)
         return RS_OK;
+    if (bytes <= RS_TREE_BROADCAST_BYTES && comm->size > 2)
+        return rs_binomial_broadcast(comm, buf, bytes, root);
     int position = mod(comm->rank - root, comm->size);
     rs_xfer_t x[2] = {rs_recv_from(left_of(comm), buf, bytes),
                       rs_send_to(right_of(comm), buf, bytes)};
@@ -247,9 +261,17 @@ done:
     return st;
 }
 
-/* Dissemination barrier: log2(size) rounds of one byte each. */
+/* log2(size) rounds of one byte each: recursive doubling for a power-of-two size (the
+ * partners of the other log-round collectives), else a dissemination barrier. */
 rs_status_t rs_barrier(rs_comm_t *comm) {
-    for (int k = 1; k < comm->size; k <<= 1) {
+    int n = comm->size;
+    for (int k = 1; (n & (n - 1)) == 0 && k < n; k <<= 1) {
+        char token = 1, incoming = 0;
+        rs_xfer_t x[2] = {rs_send_to(comm->rank ^ k, &token, 1),
+                          rs_recv_from(comm->rank ^ k, &incoming, 1)};
+        RS_CHECK(rs_progress(comm, x, 2));
+    }
+    for (int k = 1; (n & (n - 1)) != 0 && k < n; k <<= 1) {
         char token = 1, incoming = 0;
         rs_xfer_t x[2] = {rs_send_to(mod(comm->rank + k, comm->size), &token, 1),
                           rs_recv_from(mod(comm->rank - k, comm->size), &incoming, 1)};

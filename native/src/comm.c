@@ -27,6 +27,7 @@ rs_status_t rs_comm_create(int rank, int size, const char *bind_host, double tim
     comm->setup_seconds = setup_seconds;
     comm->transport = &rs_tcp_transport;
     comm->wake_fd = -1;
+    comm->lost_rank = -1;
     comm->small_gather_bytes = RS_SMALL_GATHER_BYTES;
     comm->hierarchical_mode = RS_HIERARCHICAL_AUTO;
     comm->hierarchical_min_bytes = (size_t)1 << 20; /* ringsync/config.py's default */
@@ -72,7 +73,14 @@ rs_status_t rs_comm_connect(rs_comm_t *comm, const char **hosts, const int *port
             return rs_fail(comm, RS_ERR_NOMEM, "out of memory");
     }
     RS_CHECK(rs_topology_build(comm));
-    RS_CHECK(comm->transport->connect(comm, hosts, ports));
+    unsigned char *eager = malloc((size_t)comm->size);
+    if (!eager)
+        return rs_fail(comm, RS_ERR_NOMEM, "out of memory");
+    rs_status_t st = rs_topology_partners(comm, eager);
+    if (st == RS_OK)
+        st = comm->transport->connect(comm, hosts, ports, eager);
+    free(eager);
+    RS_CHECK(st);
     RS_CHECK(connect_shm(comm));
     comm->count_traffic = 1; /* from here on, what moves is the collectives' */
     return RS_OK;

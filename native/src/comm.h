@@ -91,6 +91,9 @@ struct rs_comm {
     void *transport_state;
     char **host_names; /* per rank, for error messages */
     int broken;        /* atomic: set by rs_fail for recoverable errors, never cleared */
+    /* atomic: the first peer this rank found lost (rs_note_lost; -1: none). Its abort
+     * notices name it, so that ranks with no connection to it can name it too. */
+    int lost_rank;
     pthread_mutex_t error_mu; /* one writer (or whole-record reader) of `error` at a time */
     rs_error_t error;         /* the last failure, in words (rs_fail) */
     void *scratch; /* grows on demand; owned by the communicator, not global */

@@ -438,16 +438,35 @@ static int has_local_pending(const rs_engine_t *e) {
     return 0;
 }
 
+/* The peers whose bytes may start a round this rank must join: the left neighbour (the
+ * ring), the right one (Bruck's log-round gather, whose first step sends to rank - 1),
+ * and with a power-of-two size every recursive-doubling partner (rank ^ 2^k: a rank
+ * hears first from the partner of the round in which the ranks that started reach it). */
+static int round_starters(const rs_comm_t *comm, rs_wait_t *waits) {
+    int n = comm->size, k = 1;
+    waits[0] = (rs_wait_t){.peer = RS_WAKE_PEER, .want_read = 1};
+    if (n > 1)
+        waits[k++] = (rs_wait_t){.peer = (comm->rank + n - 1) % n, .want_read = 1};
+    if (n > 2)
+        waits[k++] = (rs_wait_t){.peer = (comm->rank + 1) % n, .want_read = 1};
+    for (int d = 2; (n & (n - 1)) == 0 && d < n; d *= 2)
+        waits[k++] = (rs_wait_t){.peer = comm->rank ^ d, .want_read = 1};
+    return k;
+}
+
+static int any_peer_ready(const rs_wait_t *waits, int n) {
+    for (int k = 1; k < n; k++)
+        if (waits[k].ready)
+            return 1;
+    return 0;
+}
+
 /* Block until a local submission, a peer starting a round, a deadline, or a lost peer.
- * Returns 1 when a peer has started a round that this rank must join. A round's first
- * bytes come from the left neighbour (the ring) or the right one (the log-round gather,
- * whose first step sends to rank - 1): both are watched. */
+ * Returns 1 when a peer has started a round that this rank must join. */
 static int idle_wait(rs_engine_t *e, double next_deadline) {
     rs_comm_t *comm = e->comm;
-    rs_wait_t waits[3] = {{.peer = RS_WAKE_PEER, .want_read = 1},
-                          {.peer = (comm->rank + comm->size - 1) % comm->size, .want_read = 1},
-                          {.peer = (comm->rank + 1) % comm->size, .want_read = 1}};
-    int nwaits = comm->size > 2 ? 3 : comm->size > 1 ? 2 : 1;
+    rs_wait_t waits[3 + 32];
+    int nwaits = round_starters(comm, waits);
     double left = next_deadline > 0 ? next_deadline - rs_now() : 1.0;
     int timeout_ms = left <= 0 ? 0 : left > 1.0 ? 1000 : (int)(left * 1000) + 1;
     int lost = -1;
@@ -470,7 +489,7 @@ static int idle_wait(rs_engine_t *e, double next_deadline) {
         fail_with_comm_error(e, st);
         return 0;
     }
-    return (nwaits > 1 && waits[1].ready) || (nwaits > 2 && waits[2].ready);
+    return any_peer_ready(waits, nwaits);
 }
 
 /* ---- a peer that shuts down ----

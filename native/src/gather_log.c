@@ -1,5 +1,9 @@
-/* Allgatherv in ceil(log2 N) rounds (Bruck et al., 1997), for any rank count and any
- * per-rank counts (zeros included), over the transport table like every algorithm.
+/* Allgatherv in ceil(log2 N) rounds, for any rank count and any per-rank counts (zeros
+ * included), over the transport table like every algorithm. A power-of-two N takes
+ * recursive doubling: in round k each rank swaps the 2^k blocks it holds with rank ^ 2^k,
+ * in place in the result; the partners are then those of the small allreduce and the
+ * barrier, log2 N of them (connections are made to the peers the algorithms need).
+ * Other N take Bruck et al.'s rounds (1997):
  *
  * This rank keeps the blocks it holds in a work buffer in *rotated* order: its own
  * block first, then rank+1's, rank+2's, ... (mod N). After round k it holds the 2^(k+1)
@@ -81,9 +85,46 @@ static rs_status_t bruck_rounds(rs_comm_t *comm, char *work, const size_t *at) {
     return RS_OK;
 }
 
+/* Recursive doubling in place: blocks in rank order at their offsets `at` (at[N]: the
+ * total). Before round d, a rank holds the d blocks of its aligned group of d ranks. */
+static rs_status_t doubling_rounds(rs_comm_t *comm, char *out, const size_t *at) {
+    int n = comm->size, me = comm->rank;
+    for (int d = 1; d < n; d *= 2) {
+        int mine = me & ~(d - 1), theirs = mine ^ d;
+        rs_xfer_t x[2] = {rs_send_to(me ^ d, out + at[mine], at[mine + d] - at[mine]),
+                          rs_recv_from(me ^ d, out + at[theirs], at[theirs + d] - at[theirs])};
+        RS_CHECK(rs_progress(comm, x, 2));
+        if (d > n / 2)
+            break;
+    }
+    return RS_OK;
+}
+
+static rs_status_t allgatherv_doubling(rs_comm_t *comm, const void *sendbuf, void *recvbuf,
+                                       const int64_t *counts, size_t elem_bytes) {
+    int n = comm->size;
+    int64_t *bytes = malloc((size_t)n * sizeof *bytes), total;
+    size_t *at = malloc(((size_t)n + 1) * sizeof *at);
+    rs_status_t st = bytes && at ? block_bytes(comm, counts, elem_bytes, bytes, &total)
+                                 : rs_fail(comm, RS_ERR_NOMEM, "out of memory");
+    for (int i = 0; st == RS_OK && i <= n; i++)
+        at[i] = i ? at[i - 1] + (size_t)bytes[i - 1] : 0;
+    if (st == RS_OK) {
+        size_t mine = at[comm->rank + 1] - at[comm->rank];
+        if (mine && (char *)recvbuf + at[comm->rank] != sendbuf)
+            memmove((char *)recvbuf + at[comm->rank], sendbuf, mine);
+        st = doubling_rounds(comm, recvbuf, at);
+    }
+    free(bytes);
+    free(at);
+    return st;
+}
+
 rs_status_t rs_allgatherv_log(rs_comm_t *comm, const void *sendbuf, void *recvbuf,
                               const int64_t *counts, size_t elem_bytes) {
     int n = comm->size;
+    if (n > 1 && (n & (n - 1)) == 0)
+        return allgatherv_doubling(comm, sendbuf, recvbuf, counts, elem_bytes);
     size_t *at = malloc(((size_t)n + 1) * sizeof *at);
     if (!at)
         return rs_fail(comm, RS_ERR_NOMEM, "out of memory");

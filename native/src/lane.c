@@ -210,7 +210,9 @@ typedef struct {
 
 static rs_status_t peer_gone(rs_lane_t *lane, int peer, int aborted) {
     char text[RS_ERROR_LEN];
-    rs_peer_gone_text(lane->comm, peer, aborted, text, sizeof text);
+    if (!aborted)
+        rs_note_lost(lane->comm, peer);
+    rs_peer_gone_text(lane->comm, peer, aborted, -1, text, sizeof text);
     return rs_error_set(&lane->error, RS_ERR_COMM, "%s", text);
 }
 

@@ -58,7 +58,11 @@ static int build_waits(const rs_xfer_t *xfers, int n, rs_wait_t *waits) {
 
 rs_status_t rs_fail_lost_peer(rs_comm_t *comm, int peer) {
     char text[RS_ERROR_LEN];
-    rs_peer_gone_text(comm, peer, comm->transport->peer_aborted(comm, peer), text, sizeof text);
+    int aborted = comm->transport->peer_aborted(comm, peer);
+    int reported = aborted ? comm->transport->reported_lost(comm, peer) : -1;
+    if (!aborted || reported >= 0)
+        rs_note_lost(comm, aborted ? reported : peer);
+    rs_peer_gone_text(comm, peer, aborted, reported, text, sizeof text);
     return rs_fail(comm, RS_ERR_COMM, "%s", text);
 }
 

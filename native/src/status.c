@@ -96,14 +96,26 @@ int rs_comm_is_broken(const rs_comm_t *comm) {
 
 /* ---- the words for how a wait ends, written once ---- */
 
-void rs_peer_gone_text(const rs_comm_t *comm, int peer, int aborted, char *out, size_t cap) {
-    if (aborted)
+void rs_peer_gone_text(const rs_comm_t *comm, int peer, int aborted, int reported, char *out,
+                       size_t cap) {
+    if (aborted && reported >= 0 && reported < comm->size && reported != comm->rank)
+        snprintf(out, cap, "rank %d: connection to rank %d (host %s) was lost, as rank %d "
+                 "(host %s) reported before it aborted (peer process gone, or its host or "
+                 "the network down?)", comm->rank, reported, rs_peer_host(comm, reported),
+                 peer, rs_peer_host(comm, peer));
+    else if (aborted)
         snprintf(out, cap, "rank %d: rank %d (host %s) aborted after a failure elsewhere in "
                  "the job", comm->rank, peer, rs_peer_host(comm, peer));
     else
         snprintf(out, cap, "rank %d: connection to rank %d (host %s) was lost (peer process "
                  "gone, or its host or the network down?)", comm->rank, peer,
                  rs_peer_host(comm, peer));
+}
+
+void rs_note_lost(rs_comm_t *comm, int peer) {
+    int none = -1;
+    __atomic_compare_exchange_n(&comm->lost_rank, &none, peer, 0, __ATOMIC_ACQ_REL,
+                                __ATOMIC_ACQUIRE);
 }
 
 void rs_report_stall(const char *name, int kind, const char *have, const char *missing,

@@ -42,7 +42,12 @@ double rs_now(void);
 /* The words for how a wait ends, shared by the engine, the negotiation, the transports and
  * the lane: a peer lost (or aborted after a failure elsewhere); a stall report (printed
  * on stderr); a tensor that some ranks never submitted within the timeout. */
-void rs_peer_gone_text(const rs_comm_t *comm, int peer, int aborted, char *out, size_t cap);
+/* Why `peer` is gone: lost, or aborted (then `reported`, when >= 0, is the rank it said
+ * was lost, named first). */
+void rs_peer_gone_text(const rs_comm_t *comm, int peer, int aborted, int reported, char *out,
+                       size_t cap);
+/* Remember `peer` as the lost one, unless another was found first (any thread). */
+void rs_note_lost(rs_comm_t *comm, int peer);
 void rs_report_stall(const char *name, int kind, const char *have, const char *missing,
                      double waited);
 void rs_submit_timeout_text(const rs_comm_t *comm, const char *name, int kind, double waited,

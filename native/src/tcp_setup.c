@@ -1,7 +1,8 @@
-/* The TCP transport's connection setup: listening, then the authenticated handshake with
- * every peer (a state machine per connection, all in one poll loop), and the connection
- * table it fills (tcp_setup.h). The data path over the connections is transport_tcp.c's,
- * which puts these functions in its table: no file above the transports names them. */
+/* The TCP transport's connections: the authenticated handshake with a peer (a state
+ * machine per connection, all in one poll loop), at setup for the peers the algorithms
+ * need and later on first use, and the abort notice (tcp_setup.h). The data path over the
+ * connections is transport_tcp.c's, which puts these functions in its table: no file
+ * above the transports names them. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
@@ -21,124 +22,14 @@
 #include "tcp_setup.h"
 #include "util.h"
 
-/* Without a timeout, a host that stops answering is given this long (see tune_socket). */
-#define UNANSWERED_HOST_SECONDS 120.0
-
-/* A peer whose host or network went away sends no FIN: without help the kernel retries
- * for many minutes and the wait looks like a slow peer. The kernel gives up on data left
- * unacknowledged for half the timeout (TCP_USER_TIMEOUT), and probes an idle connection
- * after a third of it (keepalive: answered by the peer's kernel even when its process is
- * busy, so a slow peer is never mistaken for a lost one, and no timeout is needed). */
-static void tune_socket(const rs_comm_t *comm, int fd) {
-    int one = 1;
-    /* Small messages (barriers, size exchanges) must not wait for Nagle's timer. */
-    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    double t = comm->timeout_seconds > 0 ? comm->timeout_seconds : UNANSWERED_HOST_SECONDS;
-    unsigned user_ms = (unsigned)(t * 500 < 1000 ? 1000 : t * 500 > 3.6e6 ? 3.6e6 : t * 500);
-    int idle = (int)(t / 3 < 1 ? 1 : t / 3 > 3600 ? 3600 : t / 3), interval = 1, probes = 3;
-    setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_ms, sizeof user_ms);
-    setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
-    setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
-    setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof interval);
-    setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &probes, sizeof probes);
-}
-
-/* Parse a numeric IPv4/IPv6 address ("" = any IPv4 address). */
-static int parse_address(const char *host, int port, struct sockaddr_storage *ss,
-                         socklen_t *len) {
-    memset(ss, 0, sizeof *ss);
-    if (strchr(host, ':')) {
-        struct sockaddr_in6 *a6 = (struct sockaddr_in6 *)ss;
-        a6->sin6_family = AF_INET6;
-        a6->sin6_port = htons((uint16_t)port);
-        *len = sizeof *a6;
-        return inet_pton(AF_INET6, host, &a6->sin6_addr) == 1 ? 0 : -1;
-    }
-    struct sockaddr_in *a4 = (struct sockaddr_in *)ss;
-    a4->sin_family = AF_INET;
-    a4->sin_port = htons((uint16_t)port);
-    *len = sizeof *a4;
-    if (host[0] == '\0') {
-        a4->sin_addr.s_addr = htonl(INADDR_ANY);
-        return 0;
-    }
-    return inet_pton(AF_INET, host, &a4->sin_addr) == 1 ? 0 : -1;
-}
-
-static void limit_text(rlim_t v, char *out, size_t cap) {
-    if (v == RLIM_INFINITY)
-        snprintf(out, cap, "unlimited");
-    else
-        snprintf(out, cap, "%llu", (unsigned long long)v);
-}
-
-/* socket() or accept() failed: out of file descriptors (EMFILE, ENFILE) gets words that
- * name the limit and what a rank of this job needs; anything else, the call and errno. */
-static rs_status_t fail_socket(rs_comm_t *comm, const char *call, int err) {
-    if (err != EMFILE && err != ENFILE)
-        return rs_fail(comm, RS_ERR_SYSTEM, "rank %d: %s: %s", comm->rank, call, strerror(err));
-    struct rlimit lim = {RLIM_INFINITY, RLIM_INFINITY};
-    getrlimit(RLIMIT_NOFILE, &lim);
-    char soft[32], hard[32];
-    limit_text(lim.rlim_cur, soft, sizeof soft);
-    limit_text(lim.rlim_max, hard, sizeof hard);
-    return rs_fail(comm, RS_ERR_SYSTEM, "rank %d: %s: %s: out of file descriptors. In a job of "
-                   "%d ranks each keeps a socket to each of its %d peers, plus its own files; "
-                   "%s (RLIMIT_NOFILE soft limit %s, hard limit %s). Raise it: ulimit -n "
-                   "(ulimit -Hn for the hard limit), LimitNOFILE= under systemd, docker run "
-                   "--ulimit nofile=N:N, or /etc/security/limits.conf", comm->rank, call,
-                   strerror(err), comm->size, comm->size - 1,
-                   err == ENFILE ? "the system's whole file table is full (fs.file-max)"
-                                 : "this process may open no more files", soft, hard);
-}
-
-static rs_status_t alloc_state(rs_comm_t *comm) {
-    rs_tcp_state_t *st = calloc(1, sizeof *st);
-    if (!st)
-        return rs_fail(comm, RS_ERR_NOMEM, "out of memory");
-    comm->transport_state = st;
-    st->listen_fd = -1;
-    st->fds = malloc((size_t)comm->size * sizeof *st->fds);
-    st->hung_up = calloc((size_t)comm->size, sizeof *st->hung_up);
-    st->aborted = calloc((size_t)comm->size, sizeof *st->aborted);
-    st->pfds = malloc(((size_t)comm->size + 1) * sizeof *st->pfds);
-    if (!st->fds || !st->hung_up || !st->aborted || !st->pfds)
-        return rs_fail(comm, RS_ERR_NOMEM, "out of memory");
-    for (int i = 0; i < comm->size; i++)
-        st->fds[i] = -1;
-    return RS_OK;
-}
-
-rs_status_t rs_tcp_listen(rs_comm_t *comm, const char *bind_host, int *port) {
-    RS_CHECK(alloc_state(comm));
-    rs_tcp_state_t *st = rs_tcp_state(comm);
-    struct sockaddr_storage ss;
-    socklen_t len;
-    if (parse_address(bind_host, 0, &ss, &len) != 0)
-        return rs_fail(comm, RS_ERR_USAGE, "cannot parse bind address '%s'", bind_host);
-    /* Non-blocking: setup accepts every waiting client until none is left. */
-    int fd = socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-    if (fd < 0)
-        return fail_socket(comm, "socket()", errno);
-    st->listen_fd = fd;
-    int one = 1;
-    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    if (bind(fd, (struct sockaddr *)&ss, len) != 0)
-        return rs_fail(comm, RS_ERR_SYSTEM, "bind(%s): %s", bind_host, strerror(errno));
-    /* The backlog holds every peer's connection until we accept it. */
-    if (listen(fd, SOMAXCONN) != 0)
-        return rs_fail(comm, RS_ERR_SYSTEM, "listen(): %s", strerror(errno));
-    if (getsockname(fd, (struct sockaddr *)&ss, &len) != 0)
-        return rs_fail(comm, RS_ERR_SYSTEM, "getsockname(): %s", strerror(errno));
-    *port = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
-                                           : ((struct sockaddr_in *)&ss)->sin_port);
-    return RS_OK;
-}
-
 /* ---- connection setup ----
  *
- * Every pair of ranks shares one socket: the higher rank connects, the lower one accepts.
- * Each connection proves, in both directions, that its ends know the job's secret (handed
+ * Every pair of ranks that exchanges anything shares one socket. At setup each rank
+ * connects to the peers the algorithms need (comm.c's `eager` flags, the same relation on
+ * both ends): the higher rank connects, the lower one accepts. Any other pair connects on
+ * first use, from whichever end needs it first; when both dial at once, the lower rank's
+ * connection wins (it drops the higher one's greeting, and the higher one gives up its
+ * own dial when the lower one's greeting comes). Each connection proves, in both directions, that its ends know the job's secret (handed
  * out over MPI only; the job id, by contrast, is public: it names shared segments). The
  * secret itself never crosses the wire:
  *
@@ -154,8 +45,8 @@ rs_status_t rs_tcp_listen(rs_comm_t *comm, const char *bind_host, int *port) {
  * replayed later fail, since nonce_a is new each time. The two labels differ, so neither
  * MAC can be reflected back as the other.
  *
- * Both directions run in one poll loop: the lower ranks we dial, and every incoming client
- * at once. A client's bytes are untrusted until its proof checks out: one that is silent,
+ * Both directions run in one poll loop: the peers we dial, and every incoming client at
+ * once; after setup, inside the data path's poll (transport_tcp.c). A client's bytes are untrusted until its proof checks out: one that is silent,
  * slow, malformed or unauthenticated is dropped on its own short deadline and logged, and
  * never delays the real peers or gets blamed on a rank. */
 
@@ -170,8 +61,7 @@ rs_status_t rs_tcp_listen(rs_comm_t *comm, const char *bind_host, int *port) {
 #define CONNECT_LABEL "ringsync-connect"
 /* A real peer greets at once and answers within a round trip; a client gets this long. */
 #define GREETING_SECONDS 5.0
-/* Incoming clients in progress at once; a flood of them evicts the oldest first. */
-#define MAX_GREETINGS 64
+#define MAX_GREETINGS RS_TCP_MAX_GREETINGS
 /* Dropped clients logged per setup: a port scan must not flood stderr. */
 #define MAX_DROP_LOGS 16
 /* Redialling a peer that is not listening yet (or dropped us): first pause, longest. */
@@ -195,21 +85,25 @@ typedef struct {
     double since;    /* incoming: accepted at (the oldest goes first) */
     double backoff;  /* outgoing: the next pause before a redial */
     int last_errno;  /* outgoing: why the last attempt failed (0: closed by the peer) */
+    int active;      /* outgoing: a dial wanted (fd -1: waiting to redial) */
     char from[INET6_ADDRSTRLEN + 8]; /* incoming: "address:port", for the log */
 } shake_t;
 
-typedef struct {
+/* The handshakes of one communicator, from setup to its release. */
+struct rs_links {
     rs_comm_t *comm;
-    const char **hosts;
-    const int *ports;
-    double deadline;  /* of the whole setup */
-    int missing;      /* peers not connected yet */
+    char **hosts;     /* every rank's address, for dialling it */
+    int *ports;
+    double deadline;  /* of the setup (eager connections) */
+    int lazy;         /* setup is over: a refused dial means the peer is gone */
     int dropped;      /* unknown clients dropped so far */
-    shake_t *out;     /* [peer] for each lower rank */
+    shake_t **out;    /* [peer]: our dial to it, allocated on first use and kept */
+    int *dialing;     /* the peers whose out[] is active */
+    int ndialing;
     shake_t in[MAX_GREETINGS];
-    struct pollfd *pfds; /* the listening socket, then one per connection in progress */
-    shake_t **owners;    /* owners[i]: the connection behind pfds[i] (NULL: listening) */
-} setup_t;
+    shake_t **owners; /* owners[i]: the connection behind the i-th entry watched (NULL:
+                         the listening socket) */
+};
 
 static int is_incoming(const shake_t *sh) { return sh->step >= RECV_HELLO; }
 
@@ -295,15 +189,56 @@ static int pump(shake_t *sh) {
     return 1;
 }
 
-static void register_peer(setup_t *s, shake_t *sh) {
-    rs_tcp_state(s->comm)->fds[sh->peer] = sh->fd;
-    sh->fd = -1; /* the socket is the peer's now */
-    s->missing--;
+/* Our dial to `peer` is no longer wanted: connected, or the lower rank's dial won. */
+static void stop_dialing(rs_links_t *s, int peer) {
+    shake_t *sh = s->out[peer];
+    if (sh && sh->active) {
+        close_shake(sh);
+        sh->active = 0;
+    }
 }
 
-/* ---- setup: the lower ranks we dial ---- */
+static void register_peer(rs_links_t *s, shake_t *sh) {
+    rs_tcp_state_t *st = rs_tcp_state(s->comm);
+    int peer = sh->peer, fd = sh->fd;
+    sh->fd = -1; /* the socket is the peer's now */
+    stop_dialing(s, peer);
+    __atomic_store_n(&st->fds[peer], fd, __ATOMIC_SEQ_CST);
+    int n = st->nconnected;
+    st->connected[n] = peer;
+    __atomic_store_n(&st->nconnected, n + 1, __ATOMIC_SEQ_CST);
+    /* An abort from another thread either saw this peer in the list or is seen here. */
+    if (__atomic_load_n(&st->aborting, __ATOMIC_SEQ_CST))
+        rs_tcp_send_abort(s->comm, fd);
+}
 
-static rs_status_t send_hello(setup_t *s, shake_t *sh) {
+/* The abort notice: one urgent byte, then (in band, right after the urgent mark) the
+ * rank this rank found lost, so that a peer with no connection to it can name it. */
+#define ABORT_NOTICE 'A'
+#define REPORT_MAGIC 0x4c534f4cu /* "LOSL" */
+
+void rs_tcp_send_abort(rs_comm_t *comm, int fd) {
+    char notice = ABORT_NOTICE;
+    unsigned char report[REPORT_BYTES];
+    put32(report, REPORT_MAGIC);
+    put32(report + 4, (uint32_t)__atomic_load_n(&comm->lost_rank, __ATOMIC_ACQUIRE));
+    send(fd, &notice, 1, MSG_OOB | MSG_NOSIGNAL | MSG_DONTWAIT);
+    send(fd, report, sizeof report, MSG_NOSIGNAL | MSG_DONTWAIT);
+    shutdown(fd, SHUT_RDWR);
+}
+
+int rs_tcp_is_abort_notice(char c) { return c == ABORT_NOTICE; }
+
+int rs_tcp_parse_report(const rs_comm_t *comm, const unsigned char *report, int from) {
+    int64_t lost = (int32_t)get32(report + 4);
+    if (get32(report) != REPORT_MAGIC || lost < 0 || lost >= comm->size || lost == from)
+        return -1;
+    return (int)lost;
+}
+
+/* ---- the peers we dial ---- */
+
+static rs_status_t send_hello(rs_links_t *s, shake_t *sh) {
     rs_comm_t *comm = s->comm;
     if (rs_random_bytes(sh->nonce_c, NONCE_BYTES) != 0)
         return rs_fail(comm, RS_ERR_SYSTEM, "getrandom(): %s", strerror(errno));
@@ -317,8 +252,9 @@ static rs_status_t send_hello(setup_t *s, shake_t *sh) {
     return RS_OK;
 }
 
-/* A peer that refuses, resets or closes may still be starting, or may have dropped us
- * among too many clients: try again shortly, until the setup deadline. */
+/* A peer that resets or closes may have dropped us among too many clients, or for its
+ * own dial to us (the lower rank's wins); during setup one that refuses may still be
+ * starting: try again shortly. */
 static void redial_later(shake_t *sh, int err) {
     close_shake(sh);
     sh->last_errno = err;
@@ -326,30 +262,47 @@ static void redial_later(shake_t *sh, int err) {
     sh->backoff = sh->backoff * 2 < REDIAL_MAX_SECONDS ? sh->backoff * 2 : REDIAL_MAX_SECONDS;
 }
 
-static rs_status_t dial_failed(setup_t *s, shake_t *sh, int err) {
-    if (err == ECONNREFUSED || err == ETIMEDOUT || err == ECONNRESET || err == EAGAIN) {
+/* After setup every peer listens for the communicator's life: a refusal, or no answer
+ * from its host, means it is gone. */
+static rs_status_t peer_unreachable(rs_links_t *s, shake_t *sh, int err) {
+    char text[RS_ERROR_LEN];
+    int p = sh->peer;
+    close_shake(sh);
+    sh->active = 0;
+    rs_note_lost(s->comm, p);
+    rs_peer_gone_text(s->comm, p, 0, -1, text, sizeof text);
+    return rs_fail(s->comm, RS_ERR_COMM, "%s: connecting to it: %s", text, strerror(err));
+}
+
+static rs_status_t dial_failed(rs_links_t *s, shake_t *sh, int err) {
+    int gone = err == ECONNREFUSED || err == ETIMEDOUT || err == EHOSTUNREACH ||
+               err == ENETUNREACH;
+    if (s->lazy && gone)
+        return peer_unreachable(s, sh, err);
+    if (gone || err == ECONNRESET || err == EAGAIN) {
         redial_later(sh, err);
         return RS_OK;
     }
     close_shake(sh);
+    sh->active = 0;
     int p = sh->peer;
     return rs_fail(s->comm, RS_ERR_COMM, "rank %d: cannot connect to rank %d at %s:%d (host "
                    "%s): %s", s->comm->rank, p, s->hosts[p], s->ports[p],
                    rs_peer_host(s->comm, p), strerror(err));
 }
 
-static rs_status_t dial(setup_t *s, shake_t *sh) {
+static rs_status_t dial(rs_links_t *s, shake_t *sh) {
     rs_comm_t *comm = s->comm;
     int p = sh->peer;
     struct sockaddr_storage ss;
     socklen_t len;
-    if (parse_address(s->hosts[p], s->ports[p], &ss, &len) != 0)
+    if (rs_tcp_parse_address(s->hosts[p], s->ports[p], &ss, &len) != 0)
         return rs_fail(comm, RS_ERR_USAGE, "rank %d: cannot parse address '%s' of rank %d",
                        comm->rank, s->hosts[p], p);
     sh->fd = socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (sh->fd < 0)
-        return fail_socket(comm, "socket() for a connection to a lower rank", errno);
-    tune_socket(s->comm, sh->fd);
+        return rs_tcp_fail_socket(comm, "socket() for a connection to a peer", errno);
+    rs_tcp_tune_socket(s->comm, sh->fd);
     if (connect(sh->fd, (struct sockaddr *)&ss, len) == 0)
         return send_hello(s, sh);
     if (errno == EINPROGRESS) {
@@ -359,7 +312,7 @@ static rs_status_t dial(setup_t *s, shake_t *sh) {
     return dial_failed(s, sh, errno);
 }
 
-static rs_status_t dial_finished(setup_t *s, shake_t *sh) {
+static rs_status_t dial_finished(rs_links_t *s, shake_t *sh) {
     int err = 0;
     socklen_t elen = sizeof err;
     if (getsockopt(sh->fd, SOL_SOCKET, SO_ERROR, &err, &elen) != 0)
@@ -368,7 +321,7 @@ static rs_status_t dial_finished(setup_t *s, shake_t *sh) {
 }
 
 /* The next message of a connection we dialled, once the current one is complete. */
-static rs_status_t outgoing_next(setup_t *s, shake_t *sh) {
+static rs_status_t outgoing_next(rs_links_t *s, shake_t *sh) {
     rs_comm_t *comm = s->comm;
     unsigned char expected[RS_SHA256_BYTES];
     int p = sh->peer;
@@ -381,6 +334,7 @@ static rs_status_t outgoing_next(setup_t *s, shake_t *sh) {
         handshake_mac(comm, ACCEPT_LABEL, comm->rank, p, sh, expected);
         if (!rs_equal_secret(expected, sh->msg + NONCE_BYTES, RS_SHA256_BYTES)) {
             close_shake(sh);
+            sh->active = 0;
             return rs_fail(comm, RS_ERR_COMM, "rank %d: the listener at %s:%d, where rank %d "
                            "(host %s) should be, did not prove that it knows this job's "
                            "secret (another program on that port?)", comm->rank, s->hosts[p],
@@ -397,11 +351,11 @@ static rs_status_t outgoing_next(setup_t *s, shake_t *sh) {
 
 /* ---- setup: clients that connect to us ---- */
 
-static void drop(setup_t *s, shake_t *sh, const char *fmt, ...)
+static void drop(rs_links_t *s, shake_t *sh, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
 /* Close an incoming client that has not proved to be a rank; log it, never fail on it. */
-static void drop(setup_t *s, shake_t *sh, const char *fmt, ...) {
+static void drop(rs_links_t *s, shake_t *sh, const char *fmt, ...) {
     if (s->dropped < MAX_DROP_LOGS) {
         char why[256];
         va_list ap;
@@ -420,7 +374,7 @@ static void drop(setup_t *s, shake_t *sh, const char *fmt, ...) {
 
 /* Check a HELLO field by field (every byte of it comes from an unknown client) and
  * answer with the challenge; or drop the client. */
-static void check_hello(setup_t *s, shake_t *sh) {
+static void check_hello(rs_links_t *s, shake_t *sh) {
     rs_comm_t *comm = s->comm;
     const unsigned char *m = sh->msg;
     int64_t rank = (int64_t)get64(m + 16);
@@ -432,14 +386,18 @@ static void check_hello(setup_t *s, shake_t *sh) {
         drop(s, sh, "greeting for another job");
     else if (get32(m + 28) != (uint32_t)comm->rank)
         drop(s, sh, "greeting meant for rank %u", get32(m + 28));
-    else if (rank <= comm->rank || rank >= comm->size)
-        drop(s, sh, "claims rank %lld, which does not connect to this one", (long long)rank);
+    else if (rank < 0 || rank == comm->rank || rank >= comm->size)
+        drop(s, sh, "claims rank %lld, which is no peer of this one", (long long)rank);
     else if (rs_tcp_state(comm)->fds[rank] >= 0)
         drop(s, sh, "claims rank %lld, which is connected already", (long long)rank);
+    else if (rank > comm->rank && s->out[rank] && s->out[rank]->active)
+        close_shake(sh); /* both dialled at once: ours, the lower rank's, wins (no log) */
     else if (rs_random_bytes(sh->nonce_a, NONCE_BYTES) != 0)
         drop(s, sh, "getrandom(): %s", strerror(errno));
     else {
         sh->peer = (int)rank;
+        if (rank < comm->rank)
+            stop_dialing(s, sh->peer); /* the lower rank's dial wins */
         memcpy(sh->nonce_c, m + 32, NONCE_BYTES);
         memcpy(sh->msg, sh->nonce_a, NONCE_BYTES);
         handshake_mac(comm, ACCEPT_LABEL, sh->peer, comm->rank, sh, sh->msg + NONCE_BYTES);
@@ -448,7 +406,7 @@ static void check_hello(setup_t *s, shake_t *sh) {
 }
 
 /* Check a PROOF: only now is the client known to be the rank it claims. */
-static void check_proof(setup_t *s, shake_t *sh) {
+static void check_proof(rs_links_t *s, shake_t *sh) {
     unsigned char expected[RS_SHA256_BYTES];
     handshake_mac(s->comm, CONNECT_LABEL, sh->peer, s->comm->rank, sh, expected);
     if (!rs_equal_secret(expected, sh->msg, PROOF_BYTES))
@@ -461,7 +419,7 @@ static void check_proof(setup_t *s, shake_t *sh) {
 }
 
 /* The next message of an incoming connection, once the current one is complete. */
-static void incoming_next(setup_t *s, shake_t *sh) {
+static void incoming_next(rs_links_t *s, shake_t *sh) {
     if (sh->step == RECV_HELLO)
         check_hello(s, sh);
     else if (sh->step == SEND_CHALLENGE)
@@ -484,7 +442,7 @@ static void describe_address(const struct sockaddr_storage *ss, char *out, size_
 }
 
 /* A slot for a new client: a free one, else the oldest client's. */
-static shake_t *greeting_slot(setup_t *s) {
+static shake_t *greeting_slot(rs_links_t *s) {
     shake_t *oldest = &s->in[0];
     for (int i = 0; i < MAX_GREETINGS; i++) {
         if (s->in[i].fd < 0)
@@ -496,11 +454,11 @@ static shake_t *greeting_slot(setup_t *s) {
     return oldest;
 }
 
-static rs_status_t progress_shake(setup_t *s, shake_t *sh);
+static rs_status_t progress_shake(rs_links_t *s, shake_t *sh);
 
 /* Take every waiting client; each gets a slot and its own deadline, and is read at once:
  * a real peer's HELLO is usually there already, and a bad one frees its slot early. */
-static rs_status_t accept_clients(setup_t *s) {
+static rs_status_t accept_clients(rs_links_t *s) {
     int listen_fd = rs_tcp_state(s->comm)->listen_fd;
     for (;;) {
         struct sockaddr_storage ss;
@@ -509,10 +467,10 @@ static rs_status_t accept_clients(setup_t *s) {
         RS_RETRY_EINTR(fd, accept4(listen_fd, (struct sockaddr *)&ss, &len,
                                    SOCK_CLOEXEC | SOCK_NONBLOCK));
         if (fd < 0 && (errno == EMFILE || errno == ENFILE))
-            return fail_socket(s->comm, "accept() of a higher rank's connection", errno);
+            return rs_tcp_fail_socket(s->comm, "accept() of a higher rank's connection", errno);
         if (fd < 0)
             return RS_OK; /* none left (or a client that gave up: the next poll looks) */
-        tune_socket(s->comm, fd);
+        rs_tcp_tune_socket(s->comm, fd);
         shake_t *sh = greeting_slot(s);
         sh->fd = fd;
         sh->peer = -1;
@@ -524,10 +482,10 @@ static rs_status_t accept_clients(setup_t *s) {
     }
 }
 
-/* ---- setup: the loop ---- */
+/* ---- the handshakes' loop (setup's, then the data path's) ---- */
 
 /* Move one connection on as far as its socket allows now. */
-static rs_status_t progress_shake(setup_t *s, shake_t *sh) {
+static rs_status_t progress_shake(rs_links_t *s, shake_t *sh) {
     if (sh->fd >= 0 && sh->step == DIALING)
         RS_CHECK(dial_finished(s, sh));
     while (sh->fd >= 0 && sh->step != DIALING) {
@@ -552,68 +510,130 @@ static rs_status_t progress_shake(setup_t *s, shake_t *sh) {
     return RS_OK;
 }
 
-/* Drop clients past their own deadline; redial lower ranks whose pause is over. */
-static rs_status_t handle_deadlines(setup_t *s, double now) {
+/* Drop clients past their own deadline; redial peers whose pause is over. */
+static rs_status_t handle_deadlines(rs_links_t *s, double now) {
     for (int i = 0; i < MAX_GREETINGS; i++) {
         shake_t *sh = &s->in[i];
         if (sh->fd >= 0 && now >= sh->deadline)
             drop(s, sh, "%s within %.0f s", sh->step == RECV_HELLO && sh->done == 0
                  ? "sent no greeting" : "did not complete the greeting", GREETING_SECONDS);
     }
-    for (int p = 0; p < s->comm->rank; p++) {
-        shake_t *sh = &s->out[p];
-        if (sh->fd < 0 && rs_tcp_state(s->comm)->fds[p] < 0 && now >= sh->deadline)
+    for (int k = 0; k < s->ndialing; k++) {
+        shake_t *sh = s->out[s->dialing[k]];
+        if (sh->active && sh->fd < 0 && now >= sh->deadline)
             RS_CHECK(dial(s, sh));
     }
     return RS_OK;
 }
 
-static void watch(setup_t *s, int *n, int fd, short events, shake_t *owner) {
-    s->pfds[*n] = (struct pollfd){.fd = fd, .events = events};
-    s->owners[*n] = owner;
+static void watch(rs_links_t *s, struct pollfd *pfds, int first, int *n, int fd, short events,
+                  shake_t *owner) {
+    pfds[*n] = (struct pollfd){.fd = fd, .events = events};
+    s->owners[*n - first] = owner;
     (*n)++;
 }
 
-/* Fill the poll set; return how many entries, and in *wake when to look again anyway. */
-static int poll_set(setup_t *s, double *wake) {
-    rs_comm_t *comm = s->comm;
-    rs_tcp_state_t *st = rs_tcp_state(comm);
-    int n = 0;
-    *wake = s->deadline;
-    for (int p = comm->rank + 1; p < comm->size; p++)
-        if (st->fds[p] < 0) {
-            watch(s, &n, st->listen_fd, POLLIN, NULL); /* some higher rank still to come */
-            break;
-        }
-    for (int p = 0; p < comm->rank; p++) {
-        shake_t *sh = &s->out[p];
+int rs_tcp_links_room(const rs_comm_t *comm) { return 1 + MAX_GREETINGS + comm->size; }
+
+/* The dialling list without the dials that ended (connected, or given up). */
+static void compact_dialing(rs_links_t *s) {
+    int kept = 0;
+    for (int k = 0; k < s->ndialing; k++)
+        if (s->out[s->dialing[k]]->active)
+            s->dialing[kept++] = s->dialing[k];
+    s->ndialing = kept;
+}
+
+int rs_tcp_links_watch(rs_comm_t *comm, struct pollfd *pfds, int n, double *wake) {
+    rs_links_t *s = rs_tcp_state(comm)->links;
+    int first = n;
+    if (!s)
+        return n;
+    watch(s, pfds, first, &n, rs_tcp_state(comm)->listen_fd, POLLIN, NULL);
+    compact_dialing(s);
+    for (int k = 0; k < s->ndialing; k++) {
+        shake_t *sh = s->out[s->dialing[k]];
         if (sh->fd >= 0)
-            watch(s, &n, sh->fd, is_sending(sh->step) || sh->step == DIALING ? POLLOUT : POLLIN,
-                  sh);
-        else if (st->fds[p] < 0 && sh->deadline < *wake)
+            watch(s, pfds, first, &n, sh->fd, is_sending(sh->step) || sh->step == DIALING
+                  ? POLLOUT : POLLIN, sh);
+        else if (sh->deadline < *wake)
             *wake = sh->deadline;
     }
     for (int i = 0; i < MAX_GREETINGS; i++) {
         shake_t *sh = &s->in[i];
         if (sh->fd < 0)
             continue;
-        watch(s, &n, sh->fd, is_sending(sh->step) ? POLLOUT : POLLIN, sh);
+        watch(s, pfds, first, &n, sh->fd, is_sending(sh->step) ? POLLOUT : POLLIN, sh);
         if (sh->deadline < *wake)
             *wake = sh->deadline;
     }
     return n;
 }
 
+rs_status_t rs_tcp_links_advance(rs_comm_t *comm, const struct pollfd *pfds, int first, int n) {
+    rs_links_t *s = rs_tcp_state(comm)->links;
+    if (!s)
+        return RS_OK;
+    /* Connections first, new clients last: accepting may evict a slot watched here. */
+    for (int i = first; i < n; i++)
+        if (s->owners[i - first] && pfds[i].revents)
+            RS_CHECK(progress_shake(s, s->owners[i - first]));
+    if (n > first && pfds[first].revents)
+        RS_CHECK(accept_clients(s));
+    return handle_deadlines(s, rs_now());
+}
+
+/* Whether an incoming client that claims to be `peer` is greeting us now. */
+static int greeting_from(const rs_links_t *s, int peer) {
+    for (int i = 0; i < MAX_GREETINGS; i++)
+        if (s->in[i].fd >= 0 && s->in[i].peer == peer)
+            return 1;
+    return 0;
+}
+
+static rs_status_t start_dialing(rs_links_t *s, int peer) {
+    if (!s->out[peer]) {
+        s->out[peer] = calloc(1, sizeof *s->out[peer]);
+        if (!s->out[peer])
+            return rs_fail(s->comm, RS_ERR_NOMEM, "out of memory");
+        *s->out[peer] = (shake_t){.fd = -1, .peer = peer};
+    }
+    shake_t *sh = s->out[peer];
+    sh->active = 1;
+    sh->backoff = REDIAL_FIRST_SECONDS;
+    s->dialing[s->ndialing++] = peer; /* (compacted before it could hold a peer twice) */
+    compact_dialing(s);
+    return dial(s, sh);
+}
+
+rs_status_t rs_tcp_reach(rs_comm_t *comm, int peer, int *linked) {
+    rs_tcp_state_t *st = rs_tcp_state(comm);
+    rs_links_t *s = st->links;
+    *linked = st->fds[peer] >= 0;
+    if (*linked || !s || (s->out[peer] && s->out[peer]->active) || greeting_from(s, peer))
+        return RS_OK;
+    return start_dialing(s, peer);
+}
+
+/* ---- setup: the eager connections ---- */
+
+static int eager_missing(rs_comm_t *comm, const unsigned char *eager) {
+    int missing = 0;
+    for (int p = 0; p < comm->size; p++)
+        missing += eager[p] && p != comm->rank && rs_tcp_state(comm)->fds[p] < 0;
+    return missing;
+}
+
 /* The setup deadline passed: name every rank that did not connect, and why. */
-static rs_status_t fail_setup_timeout(setup_t *s) {
+static rs_status_t fail_setup_timeout(rs_links_t *s, const unsigned char *eager) {
     rs_comm_t *comm = s->comm;
     char text[RS_ERROR_LEN - 128];
     size_t at = 0;
     text[0] = '\0';
     for (int p = 0; p < comm->size && at < sizeof text; p++) {
-        if (p == comm->rank || rs_tcp_state(comm)->fds[p] >= 0)
+        if (!eager[p] || p == comm->rank || rs_tcp_state(comm)->fds[p] >= 0)
             continue;
-        const shake_t *sh = p < comm->rank ? &s->out[p] : NULL;
+        const shake_t *sh = s->out[p] && s->out[p]->active ? s->out[p] : NULL;
         const char *why = !sh ? "never connected"
                           : sh->fd >= 0 && sh->step == DIALING ? "did not accept our connection"
                           : sh->fd >= 0 ? "did not answer our greeting"
@@ -627,77 +647,86 @@ static rs_status_t fail_setup_timeout(setup_t *s) {
                    comm->setup_seconds, text, s->dropped ? " (unknown clients were dropped)" : "");
 }
 
-static rs_status_t run_setup(setup_t *s) {
-    for (int p = 0; p < s->comm->rank; p++)
-        RS_CHECK(dial(s, &s->out[p]));
-    while (s->missing > 0) {
+/* Dial the eager peers below us and wait until every eager peer is connected (those
+ * above dial us); clients that are no eager peer are served too. */
+static rs_status_t run_setup(rs_links_t *s, const unsigned char *eager) {
+    rs_comm_t *comm = s->comm;
+    struct pollfd *pfds = rs_tcp_state(comm)->pfds;
+    for (int p = 0; p < comm->rank; p++)
+        if (eager[p])
+            RS_CHECK(start_dialing(s, p));
+    while (eager_missing(comm, eager) > 0) {
         double now = rs_now();
-        RS_CHECK(handle_deadlines(s, now));
         if (now >= s->deadline)
-            return fail_setup_timeout(s);
-        double wake;
-        int n = poll_set(s, &wake);
+            return fail_setup_timeout(s, eager);
+        double wake = s->deadline;
+        int n = rs_tcp_links_watch(comm, pfds, 0, &wake);
         double wait = wake - now < 1.0 ? wake - now : 1.0; /* (any setup timeout fits) */
-        int r = poll(s->pfds, (nfds_t)n, (int)(wait * 1000) + 1);
+        int r = poll(pfds, (nfds_t)n, (int)(wait * 1000) + 1);
         if (r < 0 && errno != EINTR)
-            return rs_fail(s->comm, RS_ERR_SYSTEM, "poll(): %s", strerror(errno));
-        /* Connections first, new clients last: accepting may evict a slot polled above. */
-        for (int i = 0; r > 0 && i < n; i++)
-            if (s->owners[i] && s->pfds[i].revents)
-                RS_CHECK(progress_shake(s, s->owners[i]));
-        if (r > 0 && n > 0 && !s->owners[0] && s->pfds[0].revents)
-            RS_CHECK(accept_clients(s));
+            return rs_fail(comm, RS_ERR_SYSTEM, "poll(): %s", strerror(errno));
+        if (r < 0)
+            continue;
+        RS_CHECK(rs_tcp_links_advance(comm, pfds, 0, n));
     }
+    s->lazy = 1;
     return RS_OK;
 }
 
-static setup_t *new_setup(rs_comm_t *comm, const char **hosts, const int *ports) {
-    setup_t *s = calloc(1, sizeof *s);
-    size_t slots = 1 + (size_t)comm->rank + MAX_GREETINGS;
-    if (!s)
-        return NULL;
-    s->out = calloc((size_t)comm->rank + 1, sizeof *s->out);
-    s->pfds = calloc(slots, sizeof *s->pfds);
-    s->owners = calloc(slots, sizeof *s->owners);
-    s->comm = comm;
-    s->hosts = hosts;
-    s->ports = ports;
-    s->missing = comm->size - 1;
-    s->deadline = rs_now() + comm->setup_seconds;
+static void free_links(rs_comm_t *comm, rs_links_t *s) {
     for (int i = 0; i < MAX_GREETINGS; i++)
-        s->in[i].fd = -1;
-    for (int p = 0; s->out && p < comm->rank; p++)
-        s->out[p] = (shake_t){.fd = -1, .peer = p, .backoff = REDIAL_FIRST_SECONDS};
-    return s;
-}
-
-/* Close whatever is still half-done (it is no peer) and free the setup. */
-static void end_setup(setup_t *s) {
-    for (int i = 0; i < MAX_GREETINGS; i++)
-        if (s->in[i].fd >= 0)
-            drop(s, &s->in[i], "%s before setup finished", s->in[i].step == RECV_HELLO &&
-                 s->in[i].done == 0 ? "sent no greeting" : "did not complete the greeting");
-    for (int p = 0; s->out && p < s->comm->rank; p++)
-        close_shake(&s->out[p]);
+        close_shake(&s->in[i]);
+    for (int p = 0; s->out && p < comm->size; p++)
+        if (s->out[p]) {
+            close_shake(s->out[p]);
+            free(s->out[p]);
+        }
+    for (int p = 0; s->hosts && p < comm->size; p++)
+        free(s->hosts[p]);
+    free(s->hosts);
+    free(s->ports);
     free(s->out);
-    free(s->pfds);
+    free(s->dialing);
     free(s->owners);
     free(s);
 }
 
-rs_status_t rs_tcp_connect(rs_comm_t *comm, const char **hosts, const int *ports) {
-    rs_tcp_state_t *st = rs_tcp_state(comm);
-    setup_t *s = new_setup(comm, hosts, ports);
-    if (!s || !s->out || !s->pfds || !s->owners) {
-        if (s)
-            end_setup(s);
-        return rs_fail(comm, RS_ERR_NOMEM, "out of memory");
+static rs_links_t *new_links(rs_comm_t *comm, const char **hosts, const int *ports) {
+    size_t n = (size_t)comm->size;
+    rs_links_t *s = calloc(1, sizeof *s);
+    if (!s)
+        return NULL;
+    s->comm = comm;
+    s->hosts = calloc(n, sizeof *s->hosts);
+    s->ports = malloc(n * sizeof *s->ports);
+    s->out = calloc(n, sizeof *s->out);
+    s->dialing = malloc(n * sizeof *s->dialing);
+    s->owners = calloc((size_t)rs_tcp_links_room(comm), sizeof *s->owners);
+    for (int i = 0; i < MAX_GREETINGS; i++)
+        s->in[i].fd = -1;
+    int ok = s->hosts && s->ports && s->out && s->dialing && s->owners;
+    for (size_t p = 0; ok && p < n; p++) {
+        s->hosts[p] = strdup(hosts[p]);
+        s->ports[p] = ports[p];
+        ok = s->hosts[p] != NULL;
     }
-    rs_status_t status = run_setup(s);
-    end_setup(s);
-    if (status == RS_OK) {
-        close(st->listen_fd); /* later clients are refused by the kernel */
-        st->listen_fd = -1;
+    if (!ok) {
+        free_links(comm, s);
+        return NULL;
+    }
+    s->deadline = rs_now() + comm->setup_seconds;
+    return s;
+}
+
+rs_status_t rs_tcp_connect(rs_comm_t *comm, const char **hosts, const int *ports,
+                           const unsigned char *eager) {
+    rs_tcp_state_t *st = rs_tcp_state(comm);
+    if (!(st->links = new_links(comm, hosts, ports)))
+        return rs_fail(comm, RS_ERR_NOMEM, "out of memory");
+    rs_status_t status = run_setup(st->links, eager);
+    if (status != RS_OK) { /* what is half done is no peer: close it now */
+        free_links(comm, st->links);
+        st->links = NULL;
     }
     return status;
 }
@@ -713,7 +742,12 @@ void rs_tcp_release(rs_comm_t *comm) {
             close(st->fds[i]);
     if (st->listen_fd >= 0)
         close(st->listen_fd);
+    if (st->links)
+        free_links(comm, st->links);
     free(st->fds);
+    free(st->connected);
+    free(st->reported);
+    free(st->slot);
     free(st->hung_up);
     free(st->aborted);
     free(st->pfds);

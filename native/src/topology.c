@@ -89,3 +89,72 @@ out:
     free(count);
     return st;
 }
+
+/* ---- the partners the algorithms need ---- */
+
+static int is_power_of_two(int n) { return n > 0 && (n & (n - 1)) == 0; }
+
+/* Flag ranks[i]'s log-round partners among ranks[0..n): recursive doubling (i ^ d) for a
+ * power-of-two n, else Bruck's (i +- d) (gather_log.c, the barrier, shared-memory setup);
+ * for any n also the recursive doubling of the largest power of two below it, and its
+ * fold of the ranks past it (the small allreduce, the small broadcast). */
+static void flag_log_partners(const int *ranks, int n, int i, unsigned char *flags) {
+    int p2 = 1;
+    while (p2 * 2 <= n)
+        p2 *= 2;
+    for (int d = 1; d < n; d *= 2) {
+        if (is_power_of_two(n)) {
+            flags[ranks ? ranks[i ^ d] : i ^ d] = 1;
+            continue;
+        }
+        flags[ranks ? ranks[(i + d) % n] : (i + d) % n] = 1;
+        flags[ranks ? ranks[(i - d % n + n) % n] : (i - d % n + n) % n] = 1;
+        if (d < p2 && i < p2)
+            flags[ranks ? ranks[i ^ d] : i ^ d] = 1;
+        if (d > n / 2)
+            break;
+    }
+    if (!is_power_of_two(n) && (i >= p2 || i + p2 < n))
+        flags[ranks ? ranks[i >= p2 ? i - p2 : i + p2] : (i >= p2 ? i - p2 : i + p2)] = 1;
+}
+
+static void flag_ring_neighbours(const int *ranks, int n, int i, unsigned char *flags) {
+    if (n < 2)
+        return;
+    flags[ranks ? ranks[(i + 1) % n] : (i + 1) % n] = 1;
+    flags[ranks ? ranks[(i + n - 1) % n] : (i + n - 1) % n] = 1;
+}
+
+/* This host's ranks in rank order (their local index), as the shared-memory setup sees
+ * them; *me: my place. */
+static int *host_ranks_of(const rs_comm_t *comm, int *count, int *me) {
+    int *ranks = malloc((size_t)comm->size * sizeof *ranks);
+    *count = 0;
+    for (int r = 0; ranks && r < comm->size; r++) {
+        if (strcmp(comm->host_names[r], comm->host_names[comm->rank]) != 0)
+            continue;
+        if (r == comm->rank)
+            *me = *count;
+        ranks[(*count)++] = r;
+    }
+    return ranks;
+}
+
+rs_status_t rs_topology_partners(rs_comm_t *comm, unsigned char *flags) {
+    const rs_topology_t *t = &comm->topology;
+    int local_count = 0, local_me = 0;
+    int *local = host_ranks_of(comm, &local_count, &local_me);
+    if (!local)
+        return rs_fail(comm, RS_ERR_NOMEM, "out of memory");
+    memset(flags, 0, (size_t)comm->size);
+    flag_ring_neighbours(NULL, comm->size, comm->rank, flags);
+    flag_log_partners(NULL, comm->size, comm->rank, flags);
+    flag_log_partners(local, local_count, local_me, flags);
+    if (t->hierarchical) {
+        flag_ring_neighbours(t->local_ranks, t->local_size, t->local_index, flags);
+        flag_ring_neighbours(t->cross_ranks, t->hosts, t->cross_index, flags);
+    }
+    flags[comm->rank] = 0;
+    free(local);
+    return RS_OK;
+}

@@ -28,8 +28,13 @@ typedef struct {
 typedef struct rs_transport {
     const char *name;
     rs_status_t (*listen)(rs_comm_t *comm, const char *bind_host, int *port);
-    /* Connect to every peer, each connection proving knowledge of comm->secret. */
-    rs_status_t (*connect)(rs_comm_t *comm, const char **hosts, const int *ports);
+    /* Connect to the peers flagged in eager[] (the ones the algorithms need), each
+     * connection proving knowledge of comm->secret; the others connect on first use. */
+    rs_status_t (*connect)(rs_comm_t *comm, const char **hosts, const int *ports,
+                           const unsigned char *eager);
+    /* *linked: whether a connection to peer exists; if not, one is started (send, recv
+     * and poll on such a peer move nothing until it exists). */
+    rs_status_t (*reach)(rs_comm_t *comm, int peer, int *linked);
     rs_status_t (*send)(rs_comm_t *comm, int peer, const char *buf, size_t len, size_t *done);
     rs_status_t (*recv)(rs_comm_t *comm, int peer, char *buf, size_t len, size_t *done);
     rs_status_t (*poll)(rs_comm_t *comm, rs_wait_t *waits, int n, int timeout_ms,
@@ -38,7 +43,12 @@ typedef struct rs_transport {
     void (*close)(rs_comm_t *comm);
     /* Whether the peer announced that it gave up (alive, but aborted after a failure). */
     int (*peer_aborted)(rs_comm_t *comm, int peer);
-    /* From any thread, reading nothing from the stream: RS_PEER_UP, _LOST or _ABORTED. */
+    /* The rank an aborted peer said was lost, from its abort notice (-1: none, or the
+     * notice did not say). Reads the peer's stream: only the thread that owns the
+     * connections calls it, once the communicator fails anyway. */
+    int (*reported_lost)(rs_comm_t *comm, int peer);
+    /* From any thread, reading nothing from the stream: RS_PEER_UP, _LOST or _ABORTED
+     * (a peer not connected to is UP unless the transport can tell otherwise). */
     int (*peer_state)(rs_comm_t *comm, int peer);
     /* Area `area` (< RS_LANE_AREAS) of `rank`'s shared segment, or NULL unless every
      * peer shares this host's memory with us (the same-host lane needs all of them). */

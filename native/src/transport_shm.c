@@ -233,53 +233,76 @@ static int is_peer(const rs_comm_t *comm, int p) {
     return p != comm->rank && comm->shm->index[p] >= 0;
 }
 
-/* Learns the peers' pids (those whose hello arrived, even if the barrier failed later:
- * their segments can then still be removed). */
-static void take_hellos(rs_comm_t *comm, const rs_xfer_t *xfers, int n) {
-    for (int k = 0; k < n; k++) {
-        const hello_t *h = (const hello_t *)xfers[k].buf;
-        if (!xfers[k].is_send && xfers[k].done == sizeof *h && h->pid > 0)
-            comm->shm->pids[xfers[k].peer] = h->pid;
-    }
-}
-
 /* The lowest rank on this host whose hello carries an error (or -1), and that error. */
-static int first_failed(rs_comm_t *comm, const hello_t *hellos, int *error) {
-    for (int p = 0; p < comm->size; p++)
-        if ((p == comm->rank || is_peer(comm, p)) && hellos[p].error) {
-            *error = hellos[p].error;
-            return p;
+static int first_failed(const hello_t *all, const int *locals, int n, int *error) {
+    for (int i = 0; i < n; i++) /* (local order is rank order) */
+        if (all[i].error) {
+            *error = all[i].error;
+            return locals[i];
         }
     return -1;
 }
 
-/* A barrier among this host's ranks, over TCP: each sends its pid and how its last step
- * went (`error`, 0 if fine) to every other. Every rank sees the same hellos, so all
- * agree on *failed: the lowest rank that failed, or -1. */
-static rs_status_t local_barrier(rs_comm_t *comm, int error, int *failed, int *failed_error) {
-    int n = 0;
-    rs_xfer_t *xfers = calloc(2 * (size_t)comm->size, sizeof *xfers);
-    hello_t *hellos = calloc((size_t)comm->size, sizeof *hellos);
-    if (!xfers || !hellos) {
-        free(xfers);
-        free(hellos);
+/* One round of the hellos' gather: send `count` hellos from all[from] to local index
+ * `to`, receive as many into all[into] from local index `source`. */
+static rs_status_t swap_hellos(rs_comm_t *comm, const int *locals, hello_t *all, int to,
+                               int from, int source, int into, int count) {
+    rs_xfer_t x[2] = {rs_send_to(locals[to], (char *)&all[from], count * sizeof *all),
+                      rs_recv_from(locals[source], (char *)&all[into], count * sizeof *all)};
+    return rs_progress(comm, x, 2);
+}
+
+/* Every local rank's hello in all[local index], in ceil(log2 n) rounds over the host's
+ * ranks: recursive doubling when n is a power of two (the partners of the collectives' log
+ * rounds, so no extra connections), else Bruck's rounds over a rotated copy. */
+static rs_status_t gather_hellos(rs_comm_t *comm, const int *locals, int n, int me,
+                                 hello_t *all) {
+    if ((n & (n - 1)) == 0) {
+        for (int d = 1; d < n; d *= 2) {
+            int mine = me & ~(d - 1), theirs = mine ^ d;
+            RS_CHECK(swap_hellos(comm, locals, all, me ^ d, mine, me ^ d, theirs, d));
+        }
+        return RS_OK;
+    }
+    hello_t *rot = malloc((size_t)n * sizeof *rot); /* rot[i]: local index me + i's */
+    if (!rot)
         return rs_fail(comm, RS_ERR_NOMEM, "out of memory");
-    }
-    hellos[comm->rank] = (hello_t){.error = error, .pid = (int32_t)getpid()};
-    for (int p = 0; p < comm->size; p++) {
-        if (!is_peer(comm, p))
-            continue;
-        xfers[n++] = (rs_xfer_t){.peer = p, .is_send = 1, .buf = (char *)&hellos[comm->rank],
-                                 .len = sizeof(hello_t)};
-        xfers[n++] = (rs_xfer_t){.peer = p, .is_send = 0, .buf = (char *)&hellos[p],
-                                 .len = sizeof(hello_t)};
-    }
-    rs_status_t st = rs_progress(comm, xfers, n);
-    take_hellos(comm, xfers, n);
+    rot[0] = all[me];
+    rs_status_t st = RS_OK;
+    for (int d = 1; d < n && st == RS_OK; d *= 2)
+        st = swap_hellos(comm, locals, rot, (me - d + n) % n, 0, (me + d) % n, d,
+                         d < n - d ? d : n - d);
+    for (int i = 0; st == RS_OK && i < n; i++)
+        all[(me + i) % n] = rot[i];
+    free(rot);
+    return st;
+}
+
+/* A barrier among this host's ranks, over TCP: each tells every other its pid and how
+ * its last step went (`error`, 0 if fine). Every rank sees the same hellos, so all agree
+ * on *failed: the lowest rank that failed, or -1. The peers' pids are learned (their
+ * segments can then be removed should a later step fail). */
+static rs_status_t local_barrier(rs_comm_t *comm, int error, int *failed, int *failed_error) {
+    struct rs_shm *shm = comm->shm;
+    int n = shm->local_size, me = shm->index[comm->rank];
+    int *locals = malloc((size_t)n * sizeof *locals);
+    hello_t *all = calloc((size_t)n, sizeof *all);
+    rs_status_t st = RS_OK;
+    if (!locals || !all)
+        RS_CHECK_GOTO(rs_fail(comm, RS_ERR_NOMEM, "out of memory"), st, out);
+    for (int p = 0; p < comm->size; p++)
+        if (shm->index[p] >= 0)
+            locals[shm->index[p]] = p;
+    all[me] = (hello_t){.error = error, .pid = (int32_t)getpid()};
+    st = gather_hellos(comm, locals, n, me, all);
+    for (int i = 0; i < n; i++) /* (even those of a failed gather that arrived) */
+        if (i != me && all[i].pid > 0)
+            shm->pids[locals[i]] = all[i].pid;
     if (st == RS_OK)
-        *failed = first_failed(comm, hellos, failed_error);
-    free(xfers);
-    free(hellos);
+        *failed = first_failed(all, locals, n, failed_error);
+out:
+    free(locals);
+    free(all);
     return st;
 }
 
@@ -498,10 +521,21 @@ static rs_status_t forged_ring(rs_comm_t *comm, int peer, const char *way, uint6
                    (unsigned long long)RING_BYTES, peer);
 }
 
+/* A same-host peer's ring is used once the socket that carries its doorbells exists
+ * (connections are made on first use): until then nothing moves, and its waits are
+ * waits for that connection. */
+static rs_status_t linked(rs_comm_t *comm, int peer, int *yes) {
+    return comm->shm->below->reach(comm, peer, yes);
+}
+
 static rs_status_t shm_send(rs_comm_t *comm, int peer, const char *buf, size_t len,
                             size_t *done) {
     if (!is_local(comm, peer))
         return comm->shm->below->send(comm, peer, buf, len, done);
+    int yes;
+    RS_CHECK(linked(comm, peer, &yes));
+    if (!yes)
+        return RS_OK;
     ring_t *r = ring_to(comm, peer);
     uint64_t head = r->header.head; /* only we write it (in the peer's segment, though) */
     uint64_t tail = __atomic_load_n(&r->header.tail, __ATOMIC_ACQUIRE);
@@ -522,6 +556,10 @@ static rs_status_t shm_send(rs_comm_t *comm, int peer, const char *buf, size_t l
 static rs_status_t shm_recv(rs_comm_t *comm, int peer, char *buf, size_t len, size_t *done) {
     if (!is_local(comm, peer))
         return comm->shm->below->recv(comm, peer, buf, len, done);
+    int yes;
+    RS_CHECK(linked(comm, peer, &yes));
+    if (!yes)
+        return RS_OK;
     ring_t *r = ring_from(comm, peer);
     uint64_t tail = r->header.tail;
     uint64_t head = __atomic_load_n(&r->header.head, __ATOMIC_ACQUIRE);
@@ -562,7 +600,14 @@ static int mark_shm_ready(rs_comm_t *comm, rs_wait_t *waits, int n, int sleep) {
     int any = 0;
     for (int k = 0; k < n; k++)
         if (is_local(comm, waits[k].peer)) {
-            waits[k].ready = shm_ready(comm, &waits[k], sleep);
+            int yes = 0;
+            /* (not connected yet: the socket wait below waits for it; a failure to start
+             * connecting is ready, for the transfer to meet it again and report it) */
+            if (linked(comm, waits[k].peer, &yes) == RS_OK && !yes) {
+                waits[k].ready = 0;
+                continue;
+            }
+            waits[k].ready = yes ? shm_ready(comm, &waits[k], sleep) : 1;
             any |= waits[k].ready;
         }
     return any;
@@ -631,8 +676,21 @@ static int shm_peer_aborted(rs_comm_t *comm, int peer) {
     return comm->shm->below->peer_aborted(comm, peer);
 }
 
+/* A same-host peer with no connection yet is still seen to die: by its pid. */
 static int shm_peer_state(rs_comm_t *comm, int peer) {
-    return comm->shm->below->peer_state(comm, peer);
+    int state = comm->shm->below->peer_state(comm, peer);
+    int pid = is_local(comm, peer) ? comm->shm->pids[peer] : 0;
+    if (state == RS_PEER_UP && pid > 0 && kill((pid_t)pid, 0) != 0 && errno == ESRCH)
+        return RS_PEER_LOST;
+    return state;
+}
+
+static int shm_reported_lost(rs_comm_t *comm, int peer) {
+    return comm->shm->below->reported_lost(comm, peer);
+}
+
+static rs_status_t shm_reach(rs_comm_t *comm, int peer, int *yes) {
+    return linked(comm, peer, yes);
 }
 
 static void shm_close(rs_comm_t *comm) {
@@ -645,12 +703,14 @@ const rs_transport_t rs_shm_transport = {
     .name = "shm",
     .listen = NULL, /* installed by rs_shm_setup, once TCP has connected */
     .connect = NULL,
+    .reach = shm_reach,
     .send = shm_send,
     .recv = shm_recv,
     .poll = shm_poll,
     .abort = shm_abort,
     .close = shm_close,
     .peer_aborted = shm_peer_aborted,
+    .reported_lost = shm_reported_lost,
     .peer_state = shm_peer_state,
     .shared_area = shm_shared_area,
 };

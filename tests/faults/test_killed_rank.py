@@ -25,13 +25,13 @@ def processes_matching(marker):
     return subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
 
 
-def killed_peer_fails_the_others(marker, folder, victim):
+def killed_peer_fails_the_others(marker, folder, victim, size=1 << 18):
     """Rank `victim` is SIGKILLed while every rank loops on allreduce; each survivor must
     raise CommunicationError naming the lost rank (not time out) and leave a file
     survivor-<rank> holding the message. `marker` only tags the ranks' command lines."""
     victim = int(victim)
     rs.init()
-    data = np.ones(1 << 18, dtype=np.float32)
+    data = np.ones(int(size), dtype=np.float32)
     for step in range(100_000):
         if rs.rank() == victim and step == 20:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -80,6 +80,26 @@ def test_survivors_name_the_killed_rank(victim, tmp_path):
     # whose maker is gone count: other jobs on this machine may hold live ones.)
     leaked = set(orphaned_segments()) - orphans_before
     assert not leaked, f"segments left in /dev/shm: {sorted(leaked)}"
+
+
+@pytest.mark.parametrize("size", [1 << 18, 3])
+def test_ranks_with_no_connection_to_the_killed_rank_name_it(size, tmp_path):
+    """8 ranks over TCP: a rank connects only to the peers its algorithms need (rank 0:
+    1, 7 (the ring), 2, 4 (recursive doubling)), so when rank 5 dies, ranks 0, 2, 3 learn
+    it from a peer's abort notice, whose report names it: every survivor names rank 5,
+    for the ring's allreduce and for the small one (recursive doubling)."""
+    victim = 5
+    marker = f"ringsync-kill-test-{os.getpid()}-far-{size}"
+    result = run_mpi(killed_peer_fails_the_others, np=8, timeout=120,
+                     args=(marker, tmp_path, victim, size), mpirun_args=("--with-ft", "ulfm"),
+                     env=dict(NO_TIMEOUT, RINGSYNC_TRANSPORT="tcp"))
+    assert not result.timed_out, result.report()
+    survivors = sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("survivor-*"))
+    assert survivors == [r for r in range(8) if r != victim], result.report()
+    for path in tmp_path.glob("survivor-*"):
+        message = path.read_text()
+        assert f"connection to rank {victim} (host" in message, message
+    assert not processes_matching(marker).strip()
 
 
 def killed_peer_fails_jitted_steps(marker, folder, victim):

@@ -252,13 +252,13 @@ def test_silent_and_malformed_clients_neither_stall_nor_fail_setup(ring, capfd):
         "greeting of protocol version 7": hello(1, version=7),
         "greeting for another job": hello(1, job_id=JOB_ID + 1),
         "greeting meant for rank 5": hello(1, acceptor=5),
-        "claims rank 0, which does not connect": hello(0),
-        "claims rank 2, which does not connect": hello(2),
-        "claims rank -1, which does not connect": hello(-1),
+        "claims rank 0, which is no peer": hello(0),
+        "claims rank 2, which is no peer": hello(2),
+        "claims rank -1, which is no peer": hello(-1),
     }
     rogues = [client(r0.port, payload) for payload in bad.values()]
     rogues += [client(r0.port, hello(1)[:20])]  # stops halfway
-    rogues += [client(r0.port) for _ in range(70)]  # port scanners that wait
+    rogues += [client(r0.port) for _ in range(80)]  # port scanners that wait
     try:
         assert connect_all([r0, r1]) == [lib.RS_OK] * 2, [r0.error, r1.error]
         # The setup timeout is 30 s and a client's own deadline 5 s: far below both.

@@ -66,19 +66,21 @@ def test_a_hard_limit_too_low_is_raised_to_and_said_once():
 
 
 def test_running_out_of_descriptors_while_connecting_names_the_limit():
-    """8 thread-ranks in one process need 8 * 8 sockets; a hard limit of 60 cannot hold
-    them: init() fails on a rank with the limit and the count in words."""
+    """16 thread-ranks in one process need 16 listening sockets and two ends of each
+    connection to the 5 partners every rank connects to at setup (ring neighbours,
+    recursive-doubling partners): a hard limit of 60 cannot hold them: init() fails on a
+    rank with the limit and the count in words."""
     done = run("""
         import resource, sys
         sys.path.insert(0, ".")
         from tests.thread_ranks import run_ranks
         resource.setrlimit(resource.RLIMIT_NOFILE, (60, 60))
-        outcomes = run_ranks(lambda comm: None, 8, timeout=60,
+        outcomes = run_ranks(lambda comm: None, 16, timeout=60,
                              env={"RINGSYNC_TRANSPORT": "tcp",
                                   "RINGSYNC_START_TIMEOUT_SECONDS": "3"})
         print("\\n=====\\n".join(o.error or "" for o in outcomes))
     """)
-    assert "out of file descriptors. In a job of 8 ranks each keeps a socket to each of its " \
-        "7 peers" in done.stdout, done.stdout[-3000:]
+    assert "out of file descriptors. In a job of 16 ranks each keeps a socket to each peer " \
+        "it exchanges with (up to 15)" in done.stdout, done.stdout[-3000:]
     assert "RLIMIT_NOFILE soft limit 60, hard limit 60" in done.stdout, done.stdout[-3000:]
     assert done.stderr.count("needs about") == 1, done.stderr  # the warning, once

@@ -32,7 +32,13 @@ CASES = ([(check, 1, "shm") for check in collective_checks.CHECKS] +
          # Past 4 ranks the negotiation and small allgathers take log2(N) rounds (Bruck)
          # whose partners are not ring neighbours: 5 and 7 (no power of two).
          [(check, size, path) for check in ("allgather_all", "out_of_order_submission")
-          for size in (5, 7) for path in ("tcp", "shm-ring")])
+          for size in (5, 7) for path in ("tcp", "shm-ring")] +
+         # Past 4 ranks small allreduces take recursive doubling (with a fold for 6), small
+         # broadcasts a binomial tree, and on 8 the gathers and the barrier swap with
+         # rank ^ 2^k: every root, and connections made on first use.
+         [(check, size, "tcp") for check in ("allreduce_all", "broadcast_all",
+                                             "barrier_orders_ranks", "alltoall_all")
+          for size in (6, 8)])
 
 
 @pytest.mark.parametrize("check,size,path", CASES)
