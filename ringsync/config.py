@@ -258,8 +258,9 @@ class Config:
         16 << 10, "RINGSYNC_SMALL_ALLREDUCE_BYTES", unit="bytes", maximum=INT64_MAX,
         zero="always the ring", agreed=True,
         help="engine allreduces (the ones not on the lane or staged) up to this size send "
-             "every rank's whole buffer to every peer in one round, instead of the ring's "
-             "2(N−1) steps; on the lane, allreduces up to this size (at most 256 KiB) are "
+             "every rank's whole buffer to every peer in one round on up to 4 ranks, and "
+             "take ⌈log2 N⌉ rounds of recursive doubling (whole buffers, log2 N partners) "
+             "on more, instead of the ring's 2(N−1) steps; on the lane, allreduces up to this size (at most 256 KiB) are "
              "posted whole instead of staged. Measured on one host over the shm transport: "
              "no difference up to 64 KiB (the engine's overhead dominates), 1.5–1.8× slower "
              "than the ring from 256 KiB")

@@ -37,6 +37,7 @@
  *                                     acceptor's rank, nonce_c
  *   acceptor -> connector  CHALLENGE  nonce_a, MAC("ringsync-accept", transcript)
  *   connector -> acceptor  PROOF      MAC("ringsync-connect", transcript)
+ *   acceptor -> connector  WELCOME    one byte: the connection is registered
  *
  * transcript = version, job id, both ranks, nonce_c, nonce_a; MAC = HMAC-SHA256 keyed with
  * the secret; nonces are fresh random bytes. The connector checks the acceptor's MAC before
@@ -51,11 +52,13 @@
  * never delays the real peers or gets blamed on a rank. */
 
 #define HELLO_MAGIC 0x52494e4753594e43ULL /* "RINGSYNC" */
-#define HELLO_VERSION 2u
+#define HELLO_VERSION 3u
 #define NONCE_BYTES 16
 #define HELLO_BYTES (8 + 8 + 8 + 4 + 4 + NONCE_BYTES)
 #define CHALLENGE_BYTES (NONCE_BYTES + RS_SHA256_BYTES)
 #define PROOF_BYTES RS_SHA256_BYTES
+#define WELCOME_BYTES 1
+#define WELCOME 'W'
 #define MAX_MESSAGE_BYTES HELLO_BYTES /* the largest of the three */
 #define ACCEPT_LABEL "ringsync-accept"
 #define CONNECT_LABEL "ringsync-connect"
@@ -69,8 +72,8 @@
 #define REDIAL_MAX_SECONDS 0.5
 
 typedef enum {
-    DIALING, SEND_HELLO, RECV_CHALLENGE, SEND_PROOF, /* we connect to a lower rank */
-    RECV_HELLO, SEND_CHALLENGE, RECV_PROOF           /* a client connects to us */
+    DIALING, SEND_HELLO, RECV_CHALLENGE, SEND_PROOF, RECV_WELCOME, /* we connect */
+    RECV_HELLO, SEND_CHALLENGE, RECV_PROOF, SEND_WELCOME /* a client connects to us */
 } step_t;
 
 /* One connection being set up, in either direction. */
@@ -108,7 +111,8 @@ struct rs_links {
 static int is_incoming(const shake_t *sh) { return sh->step >= RECV_HELLO; }
 
 static int is_sending(step_t step) {
-    return step == SEND_HELLO || step == SEND_PROOF || step == SEND_CHALLENGE;
+    return step == SEND_HELLO || step == SEND_PROOF || step == SEND_CHALLENGE ||
+           step == SEND_WELCOME;
 }
 
 static void start_step(shake_t *sh, step_t step, size_t len) {
@@ -343,7 +347,19 @@ static rs_status_t outgoing_next(rs_links_t *s, shake_t *sh) {
         handshake_mac(comm, CONNECT_LABEL, comm->rank, p, sh, sh->msg);
         start_step(sh, SEND_PROOF, PROOF_BYTES);
         return RS_OK;
-    default: /* SEND_PROOF: the acceptor is authenticated, and will find us so too */
+    case SEND_PROOF:
+        /* The acceptor may still drop us (its deadline, or a flood of clients): the
+         * connection counts once it says it registered it. */
+        start_step(sh, RECV_WELCOME, WELCOME_BYTES);
+        return RS_OK;
+    default: /* RECV_WELCOME: the acceptor was authenticated already */
+        if (sh->msg[0] != WELCOME) {
+            close_shake(sh);
+            sh->active = 0;
+            return rs_fail(comm, RS_ERR_COMM, "rank %d: rank %d (host %s) answered our proof "
+                           "with byte %d, not its welcome", comm->rank, p,
+                           rs_peer_host(comm, p), sh->msg[0]);
+        }
         register_peer(s, sh);
         return RS_OK;
     }
@@ -414,8 +430,10 @@ static void check_proof(rs_links_t *s, shake_t *sh) {
              sh->peer);
     else if (rs_tcp_state(s->comm)->fds[sh->peer] >= 0)
         drop(s, sh, "rank %d is connected already", sh->peer); /* only the first proof wins */
-    else
-        register_peer(s, sh);
+    else {
+        sh->msg[0] = WELCOME;
+        start_step(sh, SEND_WELCOME, WELCOME_BYTES);
+    }
 }
 
 /* The next message of an incoming connection, once the current one is complete. */
@@ -424,8 +442,10 @@ static void incoming_next(rs_links_t *s, shake_t *sh) {
         check_hello(s, sh);
     else if (sh->step == SEND_CHALLENGE)
         start_step(sh, RECV_PROOF, PROOF_BYTES);
-    else
+    else if (sh->step == RECV_PROOF)
         check_proof(s, sh);
+    else
+        register_peer(s, sh); /* SEND_WELCOME: the connector counts it from its welcome */
 }
 
 static void describe_address(const struct sockaddr_storage *ss, char *out, size_t len) {
@@ -442,12 +462,23 @@ static void describe_address(const struct sockaddr_storage *ss, char *out, size_
 }
 
 /* A slot for a new client: a free one, else the oldest client's. */
+/* A client that has not greeted us yet may be evicted by a newer one; one whose greeting
+ * checked out is a peer's dial in progress and keeps its slot to its own deadline. */
+static int evictable(const shake_t *sh) { return sh->fd < 0 || sh->step == RECV_HELLO; }
+
+static int room_for_clients(const rs_links_t *s) {
+    for (int i = 0; i < MAX_GREETINGS; i++)
+        if (evictable(&s->in[i]))
+            return 1;
+    return 0;
+}
+
 static shake_t *greeting_slot(rs_links_t *s) {
-    shake_t *oldest = &s->in[0];
+    shake_t *oldest = NULL;
     for (int i = 0; i < MAX_GREETINGS; i++) {
         if (s->in[i].fd < 0)
             return &s->in[i];
-        if (s->in[i].since < oldest->since)
+        if (evictable(&s->in[i]) && (!oldest || s->in[i].since < oldest->since))
             oldest = &s->in[i];
     }
     drop(s, oldest, "more than %d greetings in progress at once", MAX_GREETINGS);
@@ -460,7 +491,8 @@ static rs_status_t progress_shake(rs_links_t *s, shake_t *sh);
  * a real peer's HELLO is usually there already, and a bad one frees its slot early. */
 static rs_status_t accept_clients(rs_links_t *s) {
     int listen_fd = rs_tcp_state(s->comm)->listen_fd;
-    for (;;) {
+    /* (every slot busy with peers: the rest wait in the listening socket's backlog) */
+    while (room_for_clients(s)) {
         struct sockaddr_storage ss;
         socklen_t len = sizeof ss;
         int fd;
@@ -480,6 +512,7 @@ static rs_status_t accept_clients(rs_links_t *s) {
         start_step(sh, RECV_HELLO, HELLO_BYTES);
         RS_CHECK(progress_shake(s, sh));
     }
+    return RS_OK;
 }
 
 /* ---- the handshakes' loop (setup's, then the data path's) ---- */
@@ -549,7 +582,8 @@ int rs_tcp_links_watch(rs_comm_t *comm, struct pollfd *pfds, int n, double *wake
     int first = n;
     if (!s)
         return n;
-    watch(s, pfds, first, &n, rs_tcp_state(comm)->listen_fd, POLLIN, NULL);
+    if (room_for_clients(s))
+        watch(s, pfds, first, &n, rs_tcp_state(comm)->listen_fd, POLLIN, NULL);
     compact_dialing(s);
     for (int k = 0; k < s->ndialing; k++) {
         shake_t *sh = s->out[s->dialing[k]];
@@ -578,7 +612,7 @@ rs_status_t rs_tcp_links_advance(rs_comm_t *comm, const struct pollfd *pfds, int
     for (int i = first; i < n; i++)
         if (s->owners[i - first] && pfds[i].revents)
             RS_CHECK(progress_shake(s, s->owners[i - first]));
-    if (n > first && pfds[first].revents)
+    if (n > first && !s->owners[0] && pfds[first].revents)
         RS_CHECK(accept_clients(s));
     return handle_deadlines(s, rs_now());
 }

@@ -8,7 +8,7 @@ added. It copies rank 0's posts (the same host, the same settings), advertises a
 nobody dials, and reads the job's keys from rank 0's broadcast: it is "given the secret".
 
 Wire formats spoken here (all little-endian, the layouts of native/src):
-  handshake  tcp_setup.c: HELLO, CHALLENGE, PROOF (tests/faults/rogue_clients.py)
+  handshake  tcp_setup.c: HELLO, CHALLENGE, PROOF, WELCOME (tests/faults/rogue_clients.py)
   round      negotiate.c round_header_t: magic, cache words, round, payload bytes, payload
              hash (FNV-1a), blocking seq, blocking hash, report; then cache bits
   entry      negotiate.c entry_header_t: name length, reserved, rs_meta_t; then the name
@@ -31,6 +31,7 @@ from tests.faults.rogue_clients import HELLO, MAGIC, VERSION, recv_exact
 
 CHALLENGE_BYTES = 16 + 32
 ACCEPT_LABEL, CONNECT_LABEL = b"ringsync-accept", b"ringsync-connect"
+WELCOME = b"W"  # the acceptor's last word: the connection is registered
 
 ROUND = struct.Struct("<IIQQQQQQ")  # round_header_t
 ROUND_MAGIC = 0x52534E47
@@ -95,6 +96,8 @@ def dial(address: str, port: int, keys: JobKeys, me: int, peer: int) -> socket.s
         s.close()
         raise AssertionError(f"rank {peer} did not prove the job's secret to the hostile rank")
     s.sendall(_mac(keys, CONNECT_LABEL, me, peer, nonce_c, nonce_a))
+    if recv_exact(s, 1) != WELCOME:
+        raise AssertionError(f"rank {peer} did not welcome the hostile rank")
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return s
 

@@ -7,6 +7,7 @@ The rogues speak the wire format of native/src/transport_tcp.c's handshake:
     HELLO      magic, job id, claimed rank, version, acceptor's rank, nonce  (48 bytes)
     CHALLENGE  nonce, MAC                                                     (48 bytes)
     PROOF      MAC                                                            (32 bytes)
+    WELCOME    "W": the acceptor registered the connection                     (1 byte)
 
 A rogue knows everything but the job's secret: the job id is public (it names the ranks'
 segments in /dev/shm)."""
@@ -16,7 +17,7 @@ import struct
 import threading
 
 MAGIC = 0x52494E4753594E43  # "RINGSYNC"
-VERSION = 2
+VERSION = 3
 HELLO = struct.Struct("<QQqII16s")
 CHALLENGE_BYTES = 16 + 32
 PROOF_BYTES = 32
