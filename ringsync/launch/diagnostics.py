@@ -16,6 +16,7 @@ import time
 
 from ringsync.diagnose import (count_hang_parts, describe_divergence, format_hang_report,
                                load_flight_records, load_hang_parts)
+from ringsync.launch.process import start_thread
 
 POLL_S = 0.2
 PATIENCE_S = 3.0  # how long a report waits for its last parts once the first came
@@ -36,8 +37,7 @@ class JobDiagnostics:
         self._stop = threading.Event()
         self._reported = threading.Event()
         self._interrupted = False
-        self._thread = threading.Thread(target=self._watch, name="ringsync-run-reports",
-                                        daemon=True)
+        self._thread = None
 
     def environment(self) -> dict:
         """What every rank gets (the launcher exports its whole environment)."""
@@ -49,7 +49,7 @@ class JobDiagnostics:
         """Export the directories (the launchers pass this environment on) and watch."""
         self._saved = {name: os.environ.get(name) for name in self.environment()}
         os.environ.update(self.environment())
-        self._thread.start()
+        self._thread = start_thread(self._watch, name="ringsync-run-reports")
 
     def stop(self) -> None:
         self._stop.set()
@@ -58,7 +58,7 @@ class JobDiagnostics:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-        if self._thread.is_alive():
+        if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout=PATIENCE_S + 1)
         self._print_ready_reports(final=True)
 
@@ -77,7 +77,7 @@ class JobDiagnostics:
         def later():
             self._reported.wait(INTERRUPT_WAIT_S)
             then_interrupt()
-        threading.Thread(target=later, name="ringsync-run-interrupt", daemon=True).start()
+        start_thread(later, name="ringsync-run-interrupt")
         return True
 
     def _watch(self) -> None:

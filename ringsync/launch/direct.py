@@ -99,9 +99,11 @@ class DirectJob:
         from ringsync.store import StoreServer
         address = self.options.store_address or (
             bootstrap.routable_ipv4() if self.remote else "127.0.0.1")
-        self.server = StoreServer(self.secret.encode(), "0.0.0.0" if self.remote else address,
-                                  0, served_by="the launcher (ringsync run) on "
-                                  + os.uname().nodename).start()
+        with process.signals_to_main_thread():  # (its threads too)
+            self.server = StoreServer(self.secret.encode(),
+                                      "0.0.0.0" if self.remote else address, 0,
+                                      served_by="the launcher (ringsync run) on "
+                                      + os.uname().nodename).start()
         return "tcp://%s:%d" % (address, self.server.address[1])
 
     # ---- starting ranks ----
@@ -163,9 +165,7 @@ class DirectJob:
             proc.stdin.close()
         started = Rank(label, host, proc, replacement=rank is None)
         for source, stream in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
-            pump = threading.Thread(target=self.pump, args=(label, source, stream), daemon=True)
-            pump.start()
-            self.pumps.append(pump)
+            self.pumps.append(process.start_thread(self.pump, label, source, stream))
         return started
 
     def rank_preexec(self) -> None:

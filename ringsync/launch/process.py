@@ -21,6 +21,7 @@ launcher, which passes them on; and on Linux mpirun cannot outlive the launcher:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import json
@@ -44,9 +45,33 @@ SIGNALS_FOR_MPIRUN = {
     signal.SIGTSTP: signal.SIGTSTP,
     signal.SIGCONT: signal.SIGCONT,
 }
+# Every signal either launcher passes on (the direct launcher's are among these).
+PASSED_ON = frozenset(SIGNALS_FOR_MPIRUN)
 # Sent to mpirun by the kernel when the launcher dies; mpirun then ends its ranks.
 MPIRUN_DEATH_SIGNAL = signal.SIGTERM
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+@contextlib.contextmanager
+def signals_to_main_thread():
+    """Threads started inside never take a signal the launcher passes on. The kernel
+    gives a process's signal to any thread not blocking it; one taken by another thread
+    can reach the main thread's handler after a signal sent later (SIGUSR1 then SIGTERM
+    reached a rank as SIGTERM first). With the main thread alone taking them, signals
+    pending together are handled lowest number first, and the rest in the order sent."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, PASSED_ON)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def start_thread(target, *args, name: str | None = None) -> threading.Thread:
+    """A daemon thread of the launcher's, blind to its signals (signals_to_main_thread)."""
+    with signals_to_main_thread():
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        thread.start()
+    return thread
 
 
 def death_signal_setter(signum: int):
@@ -140,9 +165,7 @@ class OutputFiles:
         os.makedirs(self.directory, exist_ok=True)
         for source, console in ((mpirun.stdout, sys.stdout), (mpirun.stderr, sys.stderr)):
             sink = getattr(console, "buffer", console)
-            thread = threading.Thread(target=self.pump, args=(source, sink), daemon=True)
-            thread.start()
-            self.threads.append(thread)
+            self.threads.append(start_thread(self.pump, source, sink))
 
     def close(self) -> None:
         for thread in self.threads:

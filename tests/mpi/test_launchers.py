@@ -206,6 +206,42 @@ def test_local_launcher_passes_signals_to_every_rank(tmp_path):
         assert f"[{rank}]<stdout>: rank got ['usr1', 'term']" in output, output
 
 
+def blocked_signals(pid: int, tid: int) -> int:
+    with open(f"/proc/{pid}/task/{tid}/status") as status:
+        for line in status:
+            if line.startswith("SigBlk:"):
+                return int(line.split()[1], 16)
+    raise AssertionError(f"no SigBlk for thread {tid} of {pid}")
+
+
+def test_only_the_launchers_main_thread_takes_its_signals(tmp_path):
+    """A signal taken by a pump or store thread can be handled after one sent later (the
+    test above once saw SIGTERM reach a rank without the SIGUSR1 sent before it): every
+    thread of the launcher but the main one blocks the signals it passes on."""
+    command = [sys.executable, "-m", "ringsync.launch.cli", "run", "--launcher", "local",
+               "-np", "2", sys.executable, "-c", SIGNALLED_RANK]
+    job = subprocess.Popen(command, cwd=ROOT, env=job_environment(), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        ready = [job.stdout.readline() for _ in range(2)]
+        assert all("ready" in line for line in ready), ready
+        threads = sorted(int(tid) for tid in os.listdir(f"/proc/{job.pid}/task"))
+        masks = {tid: blocked_signals(job.pid, tid) for tid in threads}
+        job.send_signal(signal.SIGTERM)
+        output, _ = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    wanted = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2]
+    bits = sum(1 << (s - 1) for s in wanted)
+    assert len(threads) >= 5, (threads, output)  # (4 pumps, the store, the report watch)
+    for tid, mask in masks.items():
+        if tid == job.pid:
+            assert mask & bits == 0, f"the main thread blocks {mask:#x}\n{output}"
+        else:
+            assert mask & bits == bits, f"thread {tid} blocks only {mask:#x}\n{output}"
+
+
 def test_a_bad_setting_on_one_task_fails_init_on_every_task(tmp_path):
     """Without MPI too: the bad value travels through the store's first exchange, so no
     task waits for the one that cannot read its settings."""
