@@ -5,7 +5,6 @@ from collections import Counter
 import numpy as np
 
 import ringsync as rs
-from tests.common import collective_checks
 
 
 def _expected_topology(hosts, me):
@@ -32,6 +31,9 @@ def topology_and_collectives(host_count, ranks_per_host):
     me = rs.rank()
     got = (rs.local_rank(), rs.local_size(), rs.cross_rank(), rs.cross_size())
     assert got == _expected_topology(hosts, me), (me, hosts, got)
+    # (imported here: its bfloat16 support costs 0.6 s of CPU a rank, which 128 ranks on
+    # two cores feel, and collectives_at_scale does without it)
+    from tests.common import collective_checks
     for check in collective_checks.CHECKS.values():
         check(rs)
     rs.shutdown()
