@@ -403,6 +403,8 @@ def expected_gib(n, hosts, transport, rows):
 def mpirun_environment():
     """What mpirun needs here (tests/conftest.py sets the same; run_mpi adds PATH)."""
     os.environ.setdefault("OMPI_MCA_btl", "^ofi")  # no libfabric probe in every MPI_Init
+    # Ranks waiting in MPI (init, finalize) would spin on cores the measured ranks need.
+    os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
     if os.geteuid() == 0:
         os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
         os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")

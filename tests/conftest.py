@@ -28,6 +28,10 @@ pytest_plugins = ["ringsync.pytest_plugin"]
 # "import mpi4py.MPI"` 1.2 s, 0.2 s without it), and the suite starts hundreds of jobs.
 # ringsync's data never goes through MPI's transports; MPI keeps shared memory and TCP.
 os.environ.setdefault("OMPI_MCA_btl", "^ofi")
+# Open MPI's ranks spin while they wait (MPI_Init, MPI's exchanges in a rendezvous,
+# MPI_Finalize) unless they know they share cores, which they cannot when a job's hosts are
+# namespaces of this machine given many slots: 128 ranks on 2 cores took 3 times as long.
+os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 
 # Node-id patterns of slow tests; ``*`` matches anything (brackets are literal, so a
 # parametrized id is written as pytest shows it). Grouped by why they are slow.

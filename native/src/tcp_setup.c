@@ -207,6 +207,13 @@ static void register_peer(rs_links_t *s, shake_t *sh) {
     int peer = sh->peer, fd = sh->fd;
     sh->fd = -1; /* the socket is the peer's now */
     stop_dialing(s, peer);
+    if (st->fds[peer] >= 0) {
+        /* Two greetings that claimed one rank both proved it (checked before either was
+         * registered): the first keeps the peer, and the list of connected peers stays
+         * one entry a peer (it has room for N - 1). */
+        close(fd);
+        return;
+    }
     __atomic_store_n(&st->fds[peer], fd, __ATOMIC_SEQ_CST);
     int n = st->nconnected;
     st->connected[n] = peer;

@@ -13,10 +13,6 @@ from . import host_bodies as bodies
 
 pytestmark = pytest.mark.requires_mpirun
 ENV = {"RINGSYNC_TIMEOUT_SECONDS": "60", "OMP_NUM_THREADS": "1"}
-# Open MPI's ranks spin while they wait (in MPI_Init, in the rendezvous's exchanges, in
-# MPI_Finalize) unless told they share cores: 128 of them on this machine's two took three
-# times as long without it.
-YIELDING_MPI = {"OMPI_MCA_mpi_yield_when_idle": "1"}
 
 
 # (2 hosts x 2 ranks runs in the other tests: hierarchical bytes, a link down, a host lost,
@@ -124,7 +120,7 @@ def test_128_ranks_on_8_hosts(virtual_hosts, host_count, ranks_per_host):
     hosts = virtual_hosts(host_count, rate=None)
     assert_mpi_ok(bodies.collectives_at_scale, np=host_count * ranks_per_host,
                   hosts=hosts, slots=ranks_per_host, timeout=900,
-                  env=dict(ENV, RINGSYNC_TIMEOUT_SECONDS="300", **YIELDING_MPI),
+                  env=dict(ENV, RINGSYNC_TIMEOUT_SECONDS="300"),
                   args=(host_count, ranks_per_host))
 
 
