@@ -302,12 +302,30 @@ def process_rank(outdir, iterations):
     """One rank of a --processes job, run by ringsync.testing's worker (MPI_Init done,
     ringsync imported): measures, then writes rank<r>.json into outdir."""
     from mpi4py import MPI
-
-    from ringsync.testing import write_atomically
-    iterations = int(iterations)
     warm_mpi(MPI.COMM_WORLD)
+    record = measure_rank(int(iterations), MPI.COMM_WORLD.Barrier)
+    write_record(outdir, record)
+    rs.shutdown()
+    # MPI_Finalize of 128 processes over 16 namespace hosts did not return within the
+    # job's deadline (not investigated): once every record is written (the barrier: the
+    # first rank to leave without finalizing has mpirun kill the rest) the rank ends here.
+    MPI.COMM_WORLD.Barrier()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def write_record(outdir, record):
+    from ringsync.testing import write_atomically
+    write_atomically(os.path.join(outdir, f"rank{record['rank']}.json"),
+                     json.dumps(record) + "\n")
+
+
+def measure_rank(iterations, together):
+    """This rank's record: descriptors, memory, setup (rs.init, entered by every rank at
+    once through together() where the launcher offers a barrier), a tiny allreduce, a
+    barrier and a 16 MiB allreduce. ringsync is left initialised."""
     before, kinds_before, memory_before = descriptors(), socket_kinds(), memory_mib()
-    MPI.COMM_WORLD.Barrier()  # into init together: setup is init's own time
+    together()  # into init together: setup is init's own time
     t0, cpu0 = time.perf_counter(), time.process_time()
     rs.init()
     setup_ms = (time.perf_counter() - t0) * 1e3
@@ -325,9 +343,8 @@ def process_rank(outdir, iterations):
     big_ms = median_s(lambda: rs.allreduce_(big, name="big"), 1, BIG_RUNS) * 1e3
     big = None  # freed before the memory is read
     after, kinds, memory_after = descriptors(), socket_kinds(), memory_mib()
-    rank = rs.rank()
-    record = dict(
-        rank=rank, host=socket.gethostname(), local_size=rs.local_size(),
+    return dict(
+        rank=rs.rank(), host=socket.gethostname(), local_size=rs.local_size(),
         sockets_before=before[0], sockets_init=at_init[0], sockets_round=after_round[0],
         sockets_barrier=after_barrier[0], sockets_after=after[0],
         fds_before=before[1], fds_init=at_init[1], fds_after=after[1],
@@ -338,14 +355,6 @@ def process_rank(outdir, iterations):
         rss_import_mib=memory_before["VmRSS"], rss_init_mib=memory_init["VmRSS"],
         rss_mib=memory_after["VmRSS"], hwm_mib=memory_after["VmHWM"],
         anon_mib=memory_after["RssAnon"], shmem_mib=memory_after["RssShmem"])
-    rs.shutdown()
-    write_atomically(os.path.join(outdir, f"rank{rank}.json"), json.dumps(record) + "\n")
-    # MPI_Finalize of 128 processes over 16 namespace hosts did not return within the
-    # job's deadline (not investigated): once every record is written (the barrier: the
-    # first rank to leave without finalizing has mpirun kill the rest) the rank ends here.
-    MPI.COMM_WORLD.Barrier()
-    sys.stdout.flush()
-    os._exit(0)
 
 
 def mem_available_gib():
@@ -483,7 +492,11 @@ def run_size(n, host_count, args, rows):
               f"make smaller segments, --transport tcp none; --force runs it)", flush=True)
         return None
     with VirtualHosts(host_count, rate=None) as hosts:
-        job = run_job(n, hosts, args)
+        if args.launcher == "ringsync":
+            from benchmarks import scale_launched
+            job = scale_launched.run_job(n, hosts, args)
+        else:
+            job = run_job(n, hosts, args)
     if job is None:
         print(f"  N={n} failed (its report is above)", flush=True)
         return None
@@ -765,6 +778,8 @@ def main():
                         help="processes: hosts (namespaces), one for all sizes or one each")
     parser.add_argument("--transport", choices=("auto", "tcp", "shm"), default="auto",
                         help="processes: RINGSYNC_TRANSPORT (tcp: no shared segments)")
+    parser.add_argument("--launcher", choices=("mpirun", "ringsync"), default="mpirun",
+                        help="processes: who starts the ranks (ringsync: no MPI)")
     parser.add_argument("--timeout", type=int,
                         help="processes: seconds per job (default 120 + 4 per rank)")
     parser.add_argument("--force", action="store_true",
