@@ -31,7 +31,8 @@ try:
                               barrier, broadcast, broadcast_, broadcast_async,
                               broadcast_async_, grouped_allreduce, grouped_allreduce_,
                               grouped_allreduce_async, grouped_allreduce_async_, join, poll,
-                              recv, recv_async, reducescatter, reducescatter_async, send,
+                              recv, recv_async, reducescatter, reducescatter_, reducescatter_async,
+                              reducescatter_async_, send,
                               send_async, synchronize)
     from .objects import allgather_object, broadcast_object
     from .process_sets import (ProcessSet, add_process_set, global_process_set,
@@ -46,7 +47,8 @@ __all__ = [
     "cross_rank", "cross_size", "allreduce", "allreduce_", "allreduce_async",
     "allreduce_async_", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
     "grouped_allreduce_async_", "allgather", "allgather_async", "broadcast", "broadcast_",
-    "broadcast_async", "broadcast_async_", "reducescatter", "reducescatter_async", "alltoall",
+    "broadcast_async", "broadcast_async_", "reducescatter", "reducescatter_", "reducescatter_async",
+    "reducescatter_async_", "alltoall",
     "alltoall_async", "send", "send_async", "recv", "recv_async", "barrier", "join", "poll",
     "broadcast_object", "allgather_object",
     "synchronize", "start_timeline", "stop_timeline", "straggler_report", "flight_records",

@@ -302,12 +302,13 @@ class Communicator(AllreduceCollectives, GroupedCollectives, PointToPoint,
 
     # ---- reducescatter ----
 
-    def _reducescatter_call(self, x, op, prescale, postscale, name, blocking) -> Call:
+    def _reducescatter_call(self, x, op, prescale, postscale, name, blocking,
+                            what="reducescatter") -> Call:
         name = self._name(name, "reducescatter")
         request, out = self._checked([name], lib.RS_KIND_REDUCESCATTER, blocking, lambda: (
-            reducescatter_request(x, as_op(op, "reducescatter"), prescale, postscale, name,
-                                  "reducescatter", blocking, self._rank, self._size)))
-        return Call([request], lambda: out, "reducescatter")
+            reducescatter_request(x, as_op(op, what), prescale, postscale, name, what,
+                                  blocking, self._rank, self._size)))
+        return Call([request], lambda: out, what)
 
     def reducescatter(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
                       name=None):
@@ -320,6 +321,19 @@ class Communicator(AllreduceCollectives, GroupedCollectives, PointToPoint,
                             postscale_factor=1.0, name=None) -> Handle:
         return self._start(self._reducescatter_call(x, op, prescale_factor, postscale_factor,
                                                     name, False))
+
+    def reducescatter_(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0, postscale_factor=1.0,
+                       name=None):
+        """reducescatter in place: x (contiguous, writable) is the work space and is
+        overwritten; returns this rank's share, a view of x's first rows. For a large
+        buffer the caller drops anyway (a ZeRO gradient bucket): no second copy of it."""
+        return self._run(self._reducescatter_call(x, op, prescale_factor, postscale_factor,
+                                                  name, True, "reducescatter_"))
+
+    def reducescatter_async_(self, x, op=ReduceOp.AVERAGE, prescale_factor=1.0,
+                             postscale_factor=1.0, name=None) -> Handle:
+        return self._start(self._reducescatter_call(x, op, prescale_factor, postscale_factor,
+                                                    name, False, "reducescatter_"))
 
     # ---- alltoall ----
 

@@ -76,15 +76,17 @@ def broadcast_request(x, root, name, what, blocking):
 
 
 def reducescatter_request(x, code, prescale, postscale, name, what, blocking, rank, size):
-    """The request and the output array: this rank's share of the first dimension."""
-    src = as_input(x, what, name)
+    """The request and the output array: this rank's share of the first dimension.
+    reducescatter_ (in place) works in x itself: the share is a view of x's first rows."""
+    in_place = what.endswith("_")
+    src = as_output(x, what, name) if in_place else as_input(x, what, name)
     if src.ndim == 0:
         raise UsageError(f"ringsync.{what}{describe(name)}: needs at least one dimension")
     rows = even_split(src.shape[0], size)[rank]
-    out = np.empty((rows,) + src.shape[1:], dtype=src.dtype)
+    out = src if in_place else np.empty((rows,) + src.shape[1:], dtype=src.dtype)
     return make_request(what, lib.RS_KIND_REDUCESCATTER, name, src, out, op=code,
                         prescale=prescale, postscale=postscale, reduces=True,
-                        blocking=blocking), out
+                        blocking=blocking), out[:rows]
 
 
 def alltoall_request(x, splits, name, blocking, rank, size):

@@ -72,6 +72,15 @@ def reducescatter_async(tensor, op=Average, prescale_factor=1.0, postscale_facto
     return resolve().reducescatter_async(tensor, op, prescale_factor, postscale_factor, name)
 
 
+def reducescatter_(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0, name=None):
+    return resolve().reducescatter_(tensor, op, prescale_factor, postscale_factor, name)
+
+
+def reducescatter_async_(tensor, op=Average, prescale_factor=1.0, postscale_factor=1.0,
+                         name=None):
+    return resolve().reducescatter_async_(tensor, op, prescale_factor, postscale_factor, name)
+
+
 def alltoall(tensor, splits=None, name=None):
     return resolve().alltoall(tensor, splits, name)
 

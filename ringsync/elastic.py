@@ -286,8 +286,12 @@ class ObjectState(State):
             _load_into(self, name, saved)
 
     def broadcast_state(self, root_rank: int) -> None:
-        values = broadcast_object(self.snapshot(), root_rank, name="ringsync.elastic.objects")
-        self.load_snapshot(values)
+        # The keyword values only (ObjectState's own methods, not a subclass's): a
+        # subclass broadcasts its model or variables itself, and a sharded one's parts
+        # differ by rank.
+        values = broadcast_object(ObjectState.snapshot(self), root_rank,
+                                  name="ringsync.elastic.objects")
+        ObjectState.load_snapshot(self, values)
 
 
 # --------------------------------------------------------------------------- recovery

@@ -139,7 +139,8 @@ rs_status_t rs_allgatherv(rs_comm_t *comm, const void *sendbuf, void *recvbuf,
 /* Pipelined chain broadcast of `bytes` bytes from root (in place). */
 rs_status_t rs_broadcast(rs_comm_t *comm, void *buf, size_t bytes, int root);
 /* sendbuf holds sum(counts) elements; rank i receives the reduction of block i
- * (counts[i] elements) into recvbuf. */
+ * (counts[i] elements) into recvbuf. recvbuf == sendbuf: in place, as MPI_IN_PLACE (the
+ * buffer is the work space, overwritten; the result is at its start). */
 rs_status_t rs_reducescatter(rs_comm_t *comm, const void *sendbuf, void *recvbuf,
                              const int64_t *counts, rs_dtype_t dtype, rs_op_t op,
                              double prescale, double postscale);

@@ -147,8 +147,10 @@ static rs_status_t reduce_scatter_copy(rs_comm_t *comm, const void *sendbuf, cha
     rs_reduce_fn fn = rs_reduce_kernel(dtype, op);
     int hierarchical = !comm->deterministic && rs_hierarchical_chosen(comm, total);
     if (hierarchical && prescale == 1.0)
-        return rs_hierarchical_reduce_scatter(comm, sendbuf, work, b, elem, fn);
-    memcpy(work, sendbuf, total);
+        return rs_hierarchical_reduce_scatter(comm, sendbuf == work ? NULL : sendbuf, work, b,
+                                              elem, fn);
+    if (sendbuf != work)
+        memcpy(work, sendbuf, total);
     if (prescale != 1.0)
         RS_CHECK(rs_scale(comm, work, total / elem, dtype, prescale));
     if (comm->deterministic)
@@ -169,7 +171,10 @@ rs_status_t rs_reducescatter(rs_comm_t *comm, const void *sendbuf, void *recvbuf
     size_t elem = rs_dtype_size(dtype), total;
     rs_blocks_t b;
     RS_CHECK(blocks_from_counts(comm, counts, elem, &b, &total));
-    char *work = comm->size > 1 ? rs_malloc_large(total) : NULL;
+    /* In place (recvbuf == sendbuf, as MPI_IN_PLACE): the input itself is the work buffer
+     * and the result lands at its start, so a large reduction needs no second copy. */
+    int in_place = sendbuf == recvbuf;
+    char *work = comm->size == 1 ? NULL : in_place ? recvbuf : rs_malloc_large(total);
     size_t my_bytes = b.bytes[comm->rank];
     const char *mine = work ? work + b.offset[comm->rank] : (const char *)sendbuf;
     rs_status_t st = RS_OK;
@@ -184,7 +189,8 @@ rs_status_t rs_reducescatter(rs_comm_t *comm, const void *sendbuf, void *recvbuf
         RS_CHECK_GOTO(rs_scale(comm, recvbuf, my_bytes / elem, dtype, prescale), st, out);
     st = rs_finish_scale(comm, recvbuf, my_bytes / elem, dtype, op, postscale);
 out:
-    free(work);
+    if (!in_place)
+        free(work);
     free(b.bytes);
     return st;
 }

@@ -68,6 +68,7 @@ class Shard:
         self.numel = sum(b - a for a, b in self.ranges)
         self.at = run.owned_before(rank, self.start)
         self.master = None  # the torch.nn.Parameter the inner optimizer steps
+        self.is_view = False  # whether master is a view of the parameters themselves
 
     def params(self):
         """The group's parameters of this dtype in this bucket (not only this rank's)."""
@@ -99,10 +100,12 @@ class Shard:
         return f"optimizer.g{self.group}.{dtype_name(self.run.dtype)}"
 
 
-def make_shards(groups, runs, rank, host, pin):
+def make_shards(groups, runs, rank, host, pin, in_place):
     """This rank's shards of every param group (in group, then dtype, then bucket order),
-    each with its master copy on `host` (pinned if `pin`). runs: dtype -> the run of the
-    trainable parameters of that dtype (sharded.py's _Run)."""
+    each with its master copy: with in_place, where the parameters' dtype is the master
+    dtype, a view of the parameters themselves (each run laid end to end); else a copy on
+    `host` (pinned if `pin`). runs: dtype -> the run of the trainable parameters of that
+    dtype (sharded.py's _Run)."""
     shards, position = [], {d: 0 for d in runs}
     for gi, group in enumerate(groups):
         for dtype, run in runs.items():
@@ -113,19 +116,24 @@ def make_shards(groups, runs, rank, host, pin):
             position[dtype] = stop = start + sum(p.numel() for p in members)
             for a, b in run.spans:
                 if max(a, start) < min(b, stop):
-                    span = (max(a, start), min(b, stop))
-                    shards.append(_make_shard(gi, run, span, (start, stop), rank, host, pin))
+                    shard = Shard(gi, run, (max(a, start), min(b, stop)), (start, stop), rank)
+                    _give_master(shard, host, pin, in_place)
+                    shards.append(shard)
     return shards
 
 
-def _make_shard(group, run, span, group_span, rank, host, pin):
-    shard = Shard(group, run, span, group_span, rank)
-    values = flat_ranges([p.detach() for p in shard.params()], shard.ranges, shard.start)
-    master = values.to(device=host, dtype=master_dtype(run.dtype), copy=True)
-    if pin:
-        master = master.pin_memory()
-    shard.master = torch.nn.Parameter(master)
-    return shard
+def _give_master(shard, host, pin, in_place):
+    """The shard's master copy: a view of the flat parameters (the optimizer steps them in
+    place, as ZeroRedundancyOptimizer steps its own parameters), or a copy widened to fp32
+    for fp16/bf16 and kept on `host` for offload."""
+    run = shard.run
+    a, b = shard.ranges[0] if shard.ranges else (shard.start, shard.start)
+    values = run.flat.detach()[a: b]
+    shard.is_view = in_place and master_dtype(run.dtype) == run.dtype
+    if not shard.is_view:
+        values = values.to(device=host, dtype=master_dtype(run.dtype), copy=True)
+        values = values.pin_memory() if pin else values
+    shard.master = torch.nn.Parameter(values)
 
 
 def make_inner(optimizer, shards):

@@ -24,7 +24,9 @@ from ringsync import basics as _rs
 from ringsync.elastic import (HostsUpdatedInterrupt, ObjectState, State,  # noqa: F401
                               run)  # (the module's API)
 
+from . import _sharded_elastic as sharded
 from .functions import broadcast_optimizer_state, broadcast_parameters
+from .sharded_module import ShardedModule
 
 
 class TorchState(ObjectState):
@@ -36,6 +38,9 @@ class TorchState(ObjectState):
         super().__init__(**kwargs)
 
     def snapshot(self):
+        if sharded.holds_shards(self.model, self.optimizer):  # (each rank's part differs)
+            return {"sharded": sharded.snapshot(self.model, self.optimizer),
+                    "objects": super().snapshot()}
         return {
             "model": _clone(self.model.state_dict()) if self.model is not None else None,
             "optimizer": (copy.deepcopy(self.optimizer.state_dict())
@@ -44,19 +49,28 @@ class TorchState(ObjectState):
         }
 
     def load_snapshot(self, snapshot) -> None:
-        if self.model is not None:
-            self.model.load_state_dict(snapshot["model"])
         if self.optimizer is not None:
             self._drop_pending_reductions()
-            self.optimizer.load_state_dict(copy.deepcopy(snapshot["optimizer"]))
+        if "sharded" in snapshot:
+            sharded.restore(snapshot["sharded"], self.model, self.optimizer)
+        else:
+            if self.model is not None:
+                self.model.load_state_dict(snapshot["model"])
+            if self.optimizer is not None:
+                self.optimizer.load_state_dict(copy.deepcopy(snapshot["optimizer"]))
         super().load_snapshot(snapshot["objects"])
 
     def broadcast_state(self, root_rank: int) -> None:
-        if self.model is not None:
-            broadcast_parameters(self.model.state_dict(), root_rank, prefix="elastic.model")
         if self.optimizer is not None:
             self._drop_pending_reductions()
-            broadcast_optimizer_state(self.optimizer, root_rank)
+        if sharded.holds_shards(self.model, self.optimizer):
+            _broadcast_replicated(self.model, root_rank)  # (the parts are each rank's own)
+        else:
+            if self.model is not None:
+                broadcast_parameters(self.model.state_dict(), root_rank,
+                                     prefix="elastic.model")
+            if self.optimizer is not None:
+                broadcast_optimizer_state(self.optimizer, root_rank)
         super().broadcast_state(root_rank)
 
     def _drop_pending_reductions(self):
@@ -64,6 +78,18 @@ class TorchState(ObjectState):
         reset = getattr(self.optimizer, "reset_pending", None)
         if reset is not None:
             reset()
+
+
+def _broadcast_replicated(model, root_rank):
+    """What every rank holds whole beside sharded state: a plain model's parameters and
+    buffers (stages 1 and 2), a ShardedModule's buffers."""
+    if model is None:
+        return
+    if isinstance(model, ShardedModule):
+        broadcast_parameters(dict(model.module.named_buffers()), root_rank,
+                             prefix="elastic.buffers")
+    else:
+        broadcast_parameters(model.state_dict(), root_rank, prefix="elastic.model")
 
 
 def _clone(state_dict):

@@ -196,6 +196,19 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=PS, prescale_
                           False)
 
 
+def reducescatter_async_(tensor, name=None, op=Average, process_set=PS, prescale_factor=1.0,
+                         postscale_factor=1.0):
+    """reducescatter in place: tensor is the work space and is overwritten (no second copy
+    of a large buffer); synchronize returns this rank's share, a view of tensor's first
+    rows (of a host copy's, for a tensor the core cannot share memory with)."""
+    arr, host = host_view(tensor, "reducescatter_async_")
+    same = shares_memory(host, tensor)
+    return _run_or_start(resolve(process_set), "reducescatter_", False,
+                         (arr, op, prescale_factor, postscale_factor, name),
+                         lambda share: tensor[:share.shape[0]] if same
+                         else result_like(share, tensor))
+
+
 def _grouped_reducescatter(tensors, name, op, process_set, prescale, postscale, blocking):
     return _grouped_out_of_place(tensors, "grouped_reducescatter_async",
                                  "grouped_reducescatter", blocking, resolve(process_set), op,

@@ -22,6 +22,7 @@ from ringsync.errors import UsageError
 
 from . import mpi_ops
 from ._buckets import BucketViews, Buckets
+from ._claims import AVERAGED, refuse_held
 from ._tensors import to_numpy
 from .compression import Compression
 
@@ -74,12 +75,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._optimizer = optimizer
         self._compression = compression
         self._passes_per_step = backward_passes_per_step
-        self._op = op
-        self._process_set = process_set
-        self._predivide = gradient_predivide_factor
-        self._sparse_as_dense = sparse_as_dense
+        self._op, self._process_set = op, process_set
+        self._predivide, self._sparse_as_dense = gradient_predivide_factor, sparse_as_dense
         self._prefix = f"grad.opt{_instances.next(process_set)}"
         self._names = parameter_names(optimizer, named_parameters, self._prefix)
+        refuse_held(self._names, [f"parameter {n!r}" for n in self._names.values()], AVERAGED,
+                    self, "DistributedOptimizer")
         self._at_step = StepBuffers(f"{self._prefix}.gradients",
                                     as_views=bool(gradient_as_bucket_view))
         # (gradient_as_bucket_view with overlap: gradients reduced in buckets from the hooks)

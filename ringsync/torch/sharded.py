@@ -43,8 +43,8 @@ from ringsync.ops import ReduceOp
 from ringsync.process_sets import global_process_set
 
 from . import mpi_ops
-from ._sharded_state import ShardedState, dtype_name, held_bytes, make_inner, make_shards, \
-    master_dtype
+from ._claims import AVERAGED, STEPPED, claim, refuse_held
+from ._sharded_state import ShardedState, dtype_name, held_bytes, make_inner, make_shards
 from .checkpoint import load_slice_state, save_slice_state
 
 Average = ReduceOp.AVERAGE
@@ -66,6 +66,18 @@ class _Run:
         self.spans = [(self.offsets[i], self.offsets[j]) for i, j in self.buckets]
         self.splits = [list(itertools.accumulate(even_split(b - a, size), initial=a))
                        for a, b in self.spans]
+        self.flat = None  # every parameter's storage, end to end (lay_end_to_end)
+
+    def lay_end_to_end(self, device):
+        """Make every parameter a view of one flat buffer, in run order, so that each
+        rank's piece of a bucket is one contiguous slice of the parameters: stepped in
+        place, and gathered in place (the parameters' old storage is freed)."""
+        self.flat = torch.empty(self.numel, dtype=self.dtype, device=device)
+        with torch.no_grad():
+            for p, off in zip(self.params, self.offsets):
+                view = self.flat[off: off + p.numel()].view_as(p)
+                view.copy_(p)
+                p.data = view
 
     def pieces(self, rank):
         """The run elements [a, b) that rank owns, one per bucket, in run order."""
@@ -92,7 +104,7 @@ def _cut(offsets, cap):
 class ShardedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer, named_parameters=None, stage=1,
                  process_set=global_process_set, offload=False, bucket_cap_mb=25,
-                 backward_passes_per_step=1):
+                 backward_passes_per_step=1, redundancy=0):
         """optimizer: a torch.optim.Optimizer over the full model, not stepped yet (or its
         state is imported as with load_state_dict). It is kept for its param_groups
         (which LR schedulers change; step() passes every hyperparameter on) and rebuilt
@@ -105,11 +117,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         DistributedDataParallel's): a bucket's reduction starts during backward, as soon
         as its last gradient is ready. backward_passes_per_step: gradients accumulate
         locally over this many backward passes before they are reduced (as Horovod's).
-        Parameters with requires_grad=False are not sharded and never updated."""
+        Parameters with requires_grad=False are not sharded and never updated.
+        redundancy: 0, or 1 — at every commit of an elastic TorchState each rank also
+        keeps a copy of its left neighbour's committed part (pieces and optimizer state;
+        at stage 3 the ShardedModule's slices too), so the survivors of a lost rank rebuild
+        its part, re-shard over the ranks left and roll back to the commit in place."""
         # No super().__init__(), as DistributedOptimizer: the param_groups are the wrapped
         # optimizer's own (see the properties below).
-        _check_arguments(optimizer, stage, offload, bucket_cap_mb, backward_passes_per_step)
-        self._passes_per_step = backward_passes_per_step
+        _check_arguments(optimizer, stage, offload, bucket_cap_mb, backward_passes_per_step,
+                         redundancy)
+        self.redundancy = redundancy
+        self._bucket_cap_mb = bucket_cap_mb
         self._optimizer, self._stage, self._offload = optimizer, stage, offload
         self._process_set = process_set
         comm = resolve(process_set)
@@ -118,30 +136,68 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._all = [p for g in optimizer.param_groups for p in g["params"]]
         names = _names(self._all, named_parameters)
         _check_stage(self._all, names, stage, offload)
+        refuse_held(self._all, names, STEPPED, self, "ShardedOptimizer")
         self._device = _check_parameters(self._all, names)
         self._reduced = False
         self._should_synchronize = True
-        self._passes = {}  # (dtype, bucket) -> {parameter: backward passes since the step}
-        self._inflight = {}  # (dtype, bucket) -> [handle, flat gradients, result]
+        self._reductions = _Reductions(stage, backward_passes_per_step, self._prefix,
+                                       process_set)
+        claim(self._all, STEPPED, self)
         if stage == 3:  # the ShardedModule's slices: stepped as they are
             self._runs, self._shards, self._inner = {}, [], optimizer
             self._states = ShardedState(optimizer, optimizer, [], self._all)
             return
-        # dtype -> _Run, in order of first appearance
-        self._runs = _make_runs([p for p in self._all if p.requires_grad], self._size,
-                                bucket_cap_mb)
-        host = torch.device("cpu") if offload else self._device
-        pin = offload and host != self._device and torch.cuda.is_available()
-        self._shards = make_shards(optimizer.param_groups, self._runs, self._rank, host, pin)
-        self._inner = make_inner(optimizer, self._shards)
-        self._states = ShardedState(optimizer, self._inner, self._shards, self._all)
-        self._bucket_of = {p: (run, k) for run in self._runs.values()
-                           for k in range(len(run.buckets)) for p, _ in run.bucket_params(k)}
+        self._lay_out()
+        claim(list(self._runs_params()), AVERAGED, self)
         self._hooks = [p.register_post_accumulate_grad_hook(_weak_hook(self))
                        for p in self._bucket_of]
         if optimizer.state:  # a stepped optimizer: keep what it learnt
             self.load_state_dict(optimizer.state_dict())
             optimizer.state.clear()
+
+    def _lay_out(self):
+        """Runs, buckets and this rank's shards over the set as it is (self._rank of
+        self._size), and the shard optimizer over them (with no state yet)."""
+        # dtype -> _Run, in order of first appearance
+        self._runs = _make_runs([p for p in self._all if p.requires_grad], self._size,
+                                self._bucket_cap_mb)
+        for run in self._runs.values():
+            run.lay_end_to_end(self._device)
+        host = torch.device("cpu") if self._offload else self._device
+        pin = self._offload and host != self._device and torch.cuda.is_available()
+        self._shards = make_shards(self._optimizer.param_groups, self._runs, self._rank, host,
+                                   pin, in_place=not self._offload)
+        self._inner = make_inner(self._optimizer, self._shards)
+        self._states = ShardedState(self._optimizer, self._inner, self._shards, self._all)
+        self._bucket_of = {p: (run, k) for run in self._runs.values()
+                           for k in range(len(run.buckets)) for p, _ in run.bucket_params(k)}
+
+    def lay_out_again(self, renamed=None):
+        """Re-shard over the process set as it is now (elastic recovery: the ring
+        shrank): pieces of the new size, a new shard optimizer with no state — the
+        caller loads the committed state next (load_parts). Reductions in flight belong
+        to the ring that failed: dropped. renamed (stage 3): the ShardedModule's
+        {old slice: new slice} (its lay_out_again), put in their places."""
+        comm = resolve(self._process_set)
+        self._rank, self._size = comm.rank(), comm.size()
+        self.reset_pending()
+        if self._stage != 3:
+            self._lay_out()
+            return
+        for group in self._optimizer.param_groups:
+            group["params"] = [renamed.get(p, p) for p in group["params"]]
+        self._all = [renamed.get(p, p) for p in self._all]
+        self._states = ShardedState(self._optimizer, self._optimizer, [], self._all)
+        self._optimizer.state.clear()
+
+    def reset_pending(self):
+        """Forget the reductions started on a ring that failed (elastic recovery: they
+        never complete); the step starts over."""
+        self._reductions.clear()
+        self._reduced = False
+
+    def _runs_params(self):
+        return itertools.chain.from_iterable(run.params for run in self._runs.values())
 
     # ---- the wrapped optimizer's face ----
 
@@ -180,68 +236,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise UsageError(
                 f"ShardedOptimizer was sharded over {self._size} ranks (this one rank "
                 f"{self._rank}); the set is now {comm.size()} ranks (this one rank {comm.rank()}). "
-                "Re-sharding is not supported: consolidate_state_dict() before the change and "
-                "load it into a new ShardedOptimizer")
+                "Only an elastic TorchState re-shards (after a lost rank); otherwise "
+                "consolidate_state_dict() before the change and load it into a new "
+                "ShardedOptimizer")
 
     # ---- steps ----
 
     def _gradient_ready(self, p):
-        """A gradient hook: once every parameter of p's bucket has had its backward passes,
-        the bucket's reduction starts (the rest of backward runs meanwhile)."""
+        """A gradient hook: p's bucket's reduction starts once all its gradients are in."""
         run, k = self._bucket_of[p]
-        passes = self._passes.setdefault((run.dtype, k), {})
-        passes[p] = passes.get(p, 0) + 1
-        if passes[p] > self._passes_per_step:
-            raise UsageError(f"ShardedOptimizer: a gradient was computed more than "
-                             f"backward_passes_per_step={self._passes_per_step} times before "
-                             "step(); call step() (or synchronize()) first, or raise "
-                             "backward_passes_per_step")
-        members = run.buckets[k][1] - run.buckets[k][0]
-        if len(passes) == members and all(n == self._passes_per_step for n in passes.values()):
-            self._start_bucket(run, k)
-        self._collect_finished()
-
-    def _start_bucket(self, run, k):
-        """Start averaging bucket k of run: stage 1 allreduces it (every p.grad becomes a
-        view of the average), stage 2 reduce-scatters it (each rank gets its piece; every
-        p.grad is dropped). Parameters without a gradient count as zeros."""
-        members = run.bucket_params(k)
-        flat = _flat_gradients(members, run.spans[k][0])
-        name = f"{self._prefix}.grads.{dtype_name(run.dtype)}.{k}"
-        if self._stage == 1:
-            handle = mpi_ops.allreduce_async_(flat, op=Average, name=name,
-                                              process_set=self._process_set)
-            start = run.spans[k][0]
-            for p, off in members:
-                p.grad = flat[off - start: off - start + p.numel()].view_as(p)
-        else:
-            handle = mpi_ops.reducescatter_async(flat, name=name, op=Average,
-                                                 process_set=self._process_set)
-        self._inflight[(run.dtype, k)] = [handle, flat, None]
-
-    def _collect_finished(self):
-        """Take the results of the reductions that are done, so that stage 2 frees each
-        bucket's gradients while backward still runs."""
-        for entry in self._inflight.values():
-            if entry[0] is not None and mpi_ops.poll(entry[0]):
-                self._finish(entry)
-
-    def _finish(self, entry):
-        result = mpi_ops.synchronize(entry[0])
-        entry[0] = None
-        if self._stage == 2:
-            entry[1], entry[2] = None, result
-        else:
-            entry[2] = entry[1]
-
-    def _my_piece(self, run, k):
-        entry = self._inflight[(run.dtype, k)]
-        if entry[0] is not None:
-            self._finish(entry)
-        if self._stage == 2:
-            return entry[2]
-        a, cuts = run.spans[k][0], run.splits[k]
-        return entry[2][cuts[self._rank] - a: cuts[self._rank + 1] - a]
+        self._reductions.gradient_ready(run, k, p)
 
     def synchronize(self):
         """Average the gradients over the set: this rank's shard tensors get their slice of
@@ -255,18 +259,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._stage == 3:  # the backward pass reduce-scattered them already
             self._reduced = True
             return
-        for run in self._runs.values():
-            for k in range(len(run.buckets)):
-                if (run.dtype, k) not in self._inflight:
-                    self._start_bucket(run, k)
-        pieces = {(run.dtype, k): self._my_piece(run, k) for run in self._runs.values()
-                  for k in range(len(run.buckets))}
+        pieces = self._reductions.pieces(self._runs.values(), self._rank)
         for s in self._shards:  # (each shard lies in one bucket: a view of its piece)
             at = s.at - s.run.owned_before(self._rank, s.run.spans[s.bucket][0])
             piece = pieces[(s.run.dtype, s.bucket)][at: at + s.numel]
             s.master.grad = piece.to(device=s.master.device, dtype=s.master.dtype)
-        self._inflight.clear()
-        self._passes.clear()
         self._reduced = True
 
     @contextlib.contextmanager
@@ -299,42 +296,29 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _allgather_parameters(self):
-        """Every bucket whole from every rank's updated piece of it, a bucket or two at a
-        time (the next one's allgather runs while this one is copied into place), so no
-        more than two buckets' copies are held at once."""
-        pending = []
-        for run in self._runs.values():
-            at = 0
-            for k, cuts in enumerate(run.splits):
-                n = cuts[self._rank + 1] - cuts[self._rank]
-                piece = self._mine(run, at, at + n).to(device=self._device, dtype=run.dtype)
-                at += n
-                pending.append((run, k, mpi_ops.allgather_async(
-                    piece, name=f"{self._prefix}.params.{dtype_name(run.dtype)}.{k}",
-                    process_set=self._process_set)))
-                if len(pending) == 2:
-                    self._copy_into_parameters(*pending.pop(0))
-        for args in pending:
-            self._copy_into_parameters(*args)
-
-    def _mine(self, run, lo, hi):
-        """Elements [lo, hi) of this rank's pieces of run, from the shards' master copies."""
-        parts = [s.master.detach()[max(lo, s.at) - s.at: min(hi, s.at + s.numel) - s.at]
-                 for s in self._shards if s.run is run and s.at < hi and lo < s.at + s.numel]
-        return torch.cat(parts) if parts else torch.empty(0, dtype=master_dtype(run.dtype),
-                                                          device=self._device)
-
-    def _copy_into_parameters(self, run, k, handle):
-        full = mpi_ops.synchronize(handle)
-        start = run.spans[k][0]
+        """Every rank's updated pieces into everyone's parameters, in place: a master copy
+        that is not a view of the parameters (fp16/bf16, offload) is written back into
+        this rank's piece first, then each rank's piece of every bucket is broadcast from
+        its owner straight into the flat parameters (no second copy of a bucket)."""
         with torch.no_grad():
-            for p, off in run.bucket_params(k):
-                p.copy_(full[off - start: off - start + p.numel()].view_as(p))
+            for s in self._shards:
+                if s.master.numel() and not s.is_view:
+                    a, b = s.ranges[0]
+                    s.run.flat[a: b].copy_(s.master.detach())
+        world = resolve(self._process_set).world_ranks
+        handles = [mpi_ops.broadcast_async_(
+            run.flat[cuts[r]: cuts[r + 1]], world[r],
+            name=f"{self._prefix}.params.{dtype_name(run.dtype)}.{k}.{r}",
+            process_set=self._process_set)
+            for run in self._runs.values() for k, cuts in enumerate(run.splits)
+            for r in range(self._size) if cuts[r] < cuts[r + 1]]
+        for handle in handles:
+            mpi_ops.synchronize(handle)
 
     def zero_grad(self, set_to_none: bool = True):
         """As torch's. Reductions that backward started are finished first, and the rest
         started, as synchronize() does (every rank takes part in them), then dropped."""
-        if self._inflight:
+        if self._reductions.inflight:
             self.synchronize()
         self._optimizer.zero_grad(set_to_none=set_to_none)
         self._inner.zero_grad(set_to_none=set_to_none)
@@ -347,7 +331,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         this rank's master slices), "gradients" (p.grad kept and the shard gradients),
         "optimizer_state" (the shard optimizer's state). Tensors sharing storage count once."""
         grads = [p.grad for p in self._all] + [s.master.grad for s in self._shards] + \
-            [t for entry in self._inflight.values() for t in entry[1:]]
+            self._reductions.held()
         states = [self._inner.state] if self._inner is self._optimizer else \
             [self._inner.state, self._optimizer.state]
         state = [v for st in itertools.chain(*(s.values() for s in states))
@@ -433,6 +417,91 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return None
         return self._states.consolidated([part for _, part in everyone])
 
+class _Reductions:
+    """The averaging of a ShardedOptimizer's gradient buckets over the set: a bucket starts
+    from the gradient hooks once each of its parameters has had its backward passes
+    (the rest of backward runs meanwhile), or at synchronize(). Stage 1 allreduces a
+    bucket (every p.grad becomes a view of the average); stage 2 reduce-scatters it in
+    place and keeps this rank's piece only (every p.grad is dropped as it starts)."""
+
+    def __init__(self, stage, passes_per_step, prefix, process_set):
+        self.stage, self.passes_per_step = stage, passes_per_step
+        self.prefix, self.process_set = prefix, process_set
+        self.passes = {}  # (dtype, bucket) -> {parameter: backward passes since the step}
+        self.inflight = {}  # (dtype, bucket) -> [handle, flat gradients, result]
+
+    def gradient_ready(self, run, k, p):
+        passes = self.passes.setdefault((run.dtype, k), {})
+        passes[p] = passes.get(p, 0) + 1
+        if passes[p] > self.passes_per_step:
+            raise UsageError(f"ShardedOptimizer: a gradient was computed more than "
+                             f"backward_passes_per_step={self.passes_per_step} times before "
+                             "step(); call step() (or synchronize()) first, or raise "
+                             "backward_passes_per_step")
+        members = run.buckets[k][1] - run.buckets[k][0]
+        if len(passes) == members and all(n == self.passes_per_step for n in passes.values()):
+            self.start(run, k)
+        self.collect_finished()
+
+    def start(self, run, k):
+        """Start averaging bucket k of run; parameters without a gradient count as zeros."""
+        members = run.bucket_params(k)
+        flat = _flat_gradients(members, run.spans[k][0])
+        name = f"{self.prefix}.grads.{dtype_name(run.dtype)}.{k}"
+        if self.stage == 1:
+            handle = mpi_ops.allreduce_async_(flat, op=Average, name=name,
+                                              process_set=self.process_set)
+            start = run.spans[k][0]
+            for p, off in members:
+                p.grad = flat[off - start: off - start + p.numel()].view_as(p)
+        else:  # (in place: the flat gradients are the work space, no second copy)
+            handle = mpi_ops.reducescatter_async_(flat, name=name, op=Average,
+                                                  process_set=self.process_set)
+        self.inflight[(run.dtype, k)] = [handle, flat, None]
+
+    def collect_finished(self):
+        """Take the results of the reductions that are done, so that stage 2 frees each
+        bucket's gradients while backward still runs."""
+        for entry in self.inflight.values():
+            if entry[0] is not None and mpi_ops.poll(entry[0]):
+                self._finish(entry)
+
+    def _finish(self, entry):
+        result = mpi_ops.synchronize(entry[0])
+        entry[0] = None
+        if self.stage == 2:  # (the piece is a view of the flat gradients: kept alone)
+            entry[1], entry[2] = None, result.clone()
+        else:
+            entry[2] = entry[1]
+
+    def pieces(self, runs, rank):
+        """(dtype, bucket) -> this rank's piece of every bucket's average, once each is
+        done (those backward did not start start now); then nothing is in flight."""
+        for run in runs:
+            for k in range(len(run.buckets)):
+                if (run.dtype, k) not in self.inflight:
+                    self.start(run, k)
+        pieces = {}
+        for run in runs:
+            for k, cuts in enumerate(run.splits):
+                entry = self.inflight[(run.dtype, k)]
+                if entry[0] is not None:
+                    self._finish(entry)
+                a = run.spans[k][0]
+                pieces[(run.dtype, k)] = entry[2] if self.stage == 2 else \
+                    entry[2][cuts[rank] - a: cuts[rank + 1] - a]
+        self.clear()
+        return pieces
+
+    def held(self):
+        """The gradient tensors in flight (for memory())."""
+        return [t for entry in self.inflight.values() for t in entry[1:]]
+
+    def clear(self):
+        self.inflight.clear()
+        self.passes.clear()
+
+
 def _flat_gradients(members, start):
     """The gradients of members ((parameter, offset) pairs, consecutive from `start`) laid
     end to end, zeros where a parameter has none, each p.grad dropped once copied: the
@@ -472,7 +541,10 @@ def _make_runs(trainable, size, bucket_cap_mb):
             for d in dtypes}
 
 
-def _check_arguments(optimizer, stage, offload, bucket_cap_mb, backward_passes_per_step):
+def _check_arguments(optimizer, stage, offload, bucket_cap_mb, backward_passes_per_step,
+                     redundancy):
+    if isinstance(redundancy, bool) or redundancy not in (0, 1):
+        raise UsageError(f"ShardedOptimizer: redundancy must be 0 or 1, got {redundancy!r}")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise UsageError(f"ShardedOptimizer wraps a torch.optim.Optimizer, got "
                          f"{type(optimizer).__name__}")

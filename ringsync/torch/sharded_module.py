@@ -13,8 +13,13 @@ it runs, set to views of the gathered run:
 - backward: the gathered run's gradient is reduce-scattered (averaged over the set, as
   DistributedOptimizer's op=Average) straight into the gradient of this rank's slice.
 
+- prefetch: from the second pass on, the gather of the unit that ran next in the first
+  pass (forward order in forward, backward's own order in backward) starts as a unit
+  begins, so it moves while this unit computes (_Prefetch).
+
 So between steps a rank holds 1/N of every parameter (plus one element per unit at most),
-and at most one unit's run is gathered at a time on a straight forward or backward pass.
+and at most two units' runs are gathered at a time on a straight forward or backward pass
+(the one in use and the next); each is freed when its last use ends.
 Any torch optimizer over ShardedModule.parameters() steps the slices (ShardedOptimizer with
 stage=3 adds memory() and sharded state dicts). Buffers (BatchNorm statistics) stay
 replicated. mixed_precision=torch.bfloat16 (or float16): runs are gathered and computed in
@@ -36,12 +41,13 @@ import torch
 from ringsync._context import resolve
 from ringsync._adapters import InstanceNumbers
 from ringsync._requests import even_split
-from ringsync.errors import CheckpointError, UsageError
+from ringsync.errors import CheckpointError, RingsyncError, UsageError
 from ringsync.objects import allgather_object
 from ringsync.ops import ReduceOp
 from ringsync.process_sets import global_process_set
 
 from . import mpi_ops
+from ._claims import AVERAGED, claim
 from ._sharded_state import held_bytes
 
 Average = ReduceOp.AVERAGE
@@ -60,9 +66,7 @@ class _Unit:
         self.offsets = list(itertools.accumulate((p.numel() for p in params), initial=0))
         self.numel = self.offsets[-1]
         self.dtype = params[0].dtype
-        counts = even_split(self.numel, size)
-        self.starts = list(itertools.accumulate(counts, initial=0))
-        self.lo, self.hi = self.starts[rank], self.starts[rank + 1]
+        self.place(rank, size)
         flat = torch.cat([p.detach().reshape(-1) for p in params])
         self.shard = torch.nn.Parameter(flat[self.lo: self.hi].clone(),
                                         requires_grad=params[0].requires_grad)
@@ -70,6 +74,11 @@ class _Unit:
         self.gathered = None  # the run while the forward runs
         self.regathered = None  # the run gathered again for backward
         self.alive = weakref.WeakSet()  # every run gathered and not freed yet (for memory())
+
+    def place(self, rank, size):
+        """This rank's elements [lo, hi) of the run split over `size` ranks."""
+        self.starts = list(itertools.accumulate(even_split(self.numel, size), initial=0))
+        self.lo, self.hi = self.starts[rank], self.starts[rank + 1]
 
     def views(self, full):
         return [full[a: b].view(shape) for a, b, shape in
@@ -87,7 +96,7 @@ class _GatherRun(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shard, unit, owner):
         ctx.unit, ctx.owner = unit, owner
-        return owner._gather(unit, shard.detach(), "gather")
+        return owner._gathered(unit, "gather")
 
     @staticmethod
     def backward(ctx, grad):
@@ -106,6 +115,52 @@ class _SavedView:
     def __init__(self, unit, t):
         self.unit, self.offset, self.size, self.stride = \
             unit, t.storage_offset(), t.size(), t.stride()
+
+
+class _Prefetch:
+    """Gathers started one unit ahead, in the order the first pass ran the units: forward's
+    gathers in forward order, backward's ("regather") in the order backward first needed
+    them. Every rank runs the same passes, so every rank starts the same gathers; a pass
+    that leaves the recorded order stops running ahead. One gather at most runs ahead of
+    the unit in use, so at most two runs are gathered at once."""
+
+    def __init__(self, start_gather):
+        self._start_gather = start_gather  # (unit, phase) -> the Handle of its allgather
+        self._order = {"gather": None, "regather": None}  # the first pass's units, in order
+        self._seen = {"gather": [], "regather": []}  # this pass's units so far
+        self._on_track = {"gather": True, "regather": True}
+        self._ahead = {}  # (unit, phase) -> Handle
+
+    def restart(self):
+        """A new pass (a forward, or slices about to change): the first complete one is
+        the order from now on; gathers run ahead and not used are finished (every rank
+        started them) and dropped — the slices may change before they would be used."""
+        for phase, seen in self._seen.items():
+            if self._order[phase] is None and seen:
+                self._order[phase] = list(seen)
+            seen.clear()
+            self._on_track[phase] = True
+        for handle in self._ahead.values():
+            try:
+                mpi_ops.synchronize(handle)
+            except RingsyncError:
+                pass  # (run ahead, never used: the collective that needs it will say)
+        self._ahead.clear()
+
+    def take(self, unit, phase):
+        """The gather run ahead for unit, or None."""
+        return self._ahead.pop((unit, phase), None)
+
+    def run_ahead(self, unit, phase):
+        """unit is in use: start the gather of the unit after it in the recorded order."""
+        seen, order = self._seen[phase], self._order[phase]
+        seen.append(unit)
+        k = len(seen)
+        self._on_track[phase] = self._on_track[phase] and order is not None and \
+            k <= len(order) and order[k - 1] is unit
+        if self._on_track[phase] and k < len(order) and order[k] is not unit and \
+                (order[k], phase) not in self._ahead:  # (a unit used twice: gathered then)
+            self._ahead[(order[k], phase)] = self._start_gather(order[k], phase)
 
 
 class ShardedModule(torch.nn.Module):
@@ -132,7 +187,9 @@ class ShardedModule(torch.nn.Module):
             self._broadcast_states()
         self._units = self._make_units()
         self.shards = torch.nn.ParameterList([u.shard for u in self._units])
+        claim(self.shards, AVERAGED, self)  # (its backward averages their gradients)
         self._gathered_by_storage = {}
+        self._prefetch = _Prefetch(self._start_gather)
         self._full_parameters = False
         for unit in self._units:
             unit.module.register_forward_pre_hook(self._make_pre_hook(unit))
@@ -171,14 +228,23 @@ class ShardedModule(torch.nn.Module):
 
     # ---- gathering ----
 
-    def _gather(self, unit, shard, phase):
-        """The unit's run from every rank's slice, in the compute dtype."""
-        if self._compute_dtype is not None:
-            shard = shard.to(self._compute_dtype)
-        full = mpi_ops.allgather(shard.contiguous(), name=f"{unit.name}.{phase}",
-                                 process_set=self._process_set)
+    def _gathered(self, unit, phase):
+        """The unit's run from every rank's slice, in the compute dtype: gathered ahead
+        (_Prefetch), else now; the next unit's gather starts meanwhile."""
+        handle = self._prefetch.take(unit, phase)
+        if handle is None:
+            handle = self._start_gather(unit, phase)
+        full = mpi_ops.synchronize(handle)
+        self._prefetch.run_ahead(unit, phase)
         unit.alive.add(full)
         return full
+
+    def _start_gather(self, unit, phase):
+        shard = unit.shard.detach()
+        if self._compute_dtype is not None:
+            shard = shard.to(self._compute_dtype)
+        return mpi_ops.allgather_async(shard.contiguous(), name=f"{unit.name}.{phase}",
+                                       process_set=self._process_set)
 
     def _make_pre_hook(self, unit):
         def gather_before_forward(module, args):
@@ -210,14 +276,40 @@ class ShardedModule(torch.nn.Module):
         unit = saved.unit
         if unit.regathered is None:
             with torch.no_grad():
-                unit.regathered = self._gather(unit, unit.shard.detach(), "regather")
+                unit.regathered = self._gathered(unit, "regather")
         return unit.regathered.as_strided(saved.size, saved.stride, saved.offset)
 
     def forward(self, *args, **kwargs):
+        self._prefetch.restart()
         if self._compute_dtype is not None:
             args, kwargs = _cast_floating((args, kwargs), self._compute_dtype)
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             return self.module(*args, **kwargs)
+
+    def lay_out_again(self):
+        """Re-shard over the process set as it is now (elastic recovery: the ring shrank):
+        each slice becomes a new Parameter of this rank's new share, holding uninitialised
+        values — the caller loads the committed ones next (load_parts) and puts the new
+        Parameters in its optimizer. (New ones: a graph of the failed step may still hold
+        the old one's gradient accumulator, which expects the old size.) Gathers run
+        ahead on the failed ring are dropped. Returns {old Parameter: new Parameter}."""
+        comm = resolve(self._process_set)
+        self._rank, self._size = comm.rank(), comm.size()
+        self._prefetch.restart()
+        self._gathered_by_storage.clear()
+        renamed = {}
+        for unit in self._units:
+            unit.place(self._rank, self._size)
+            old = unit.shard
+            unit.shard = torch.nn.Parameter(old.detach().new_empty(unit.hi - unit.lo),
+                                            requires_grad=old.requires_grad)
+            for name, value in vars(old).items():  # (its unit, which wrappers hold it)
+                if name.startswith("_ringsync"):
+                    setattr(unit.shard, name, value)
+            unit.gathered = unit.regathered = None
+            renamed[old] = unit.shard
+        self.shards = torch.nn.ParameterList([u.shard for u in self._units])
+        return renamed
 
     # ---- full parameters, on request ----
 
@@ -230,6 +322,7 @@ class ShardedModule(torch.nn.Module):
         gradients."""
         if self._full_parameters:
             raise UsageError("ShardedModule.gathered_parameters: already inside one")
+        self._prefetch.restart()  # (writeback changes the slices)
         with torch.no_grad():
             fulls = mpi_ops.grouped_allgather([u.shard.detach() for u in self._units],
                                               name=f"{self._prefix}.full",
@@ -293,6 +386,7 @@ class ShardedModule(torch.nn.Module):
             diff = next((a, b) for a, b in itertools.zip_longest(saved, mine) if a != b)
             raise CheckpointError(f"ringsync.checkpoint: the checkpoint's model differs from "
                                   f"this one: saved {diff[0]}, here {diff[1]}")
+        self._prefetch.restart()
         with torch.no_grad():
             for u in self._units:
                 u.shard.copy_(reader.range(f"model.{u.key}", u.lo, u.hi, u.numel))
@@ -300,6 +394,7 @@ class ShardedModule(torch.nn.Module):
 
     def load_full_state(self, state):
         """This rank's slices from a whole module's state_dict (a plain checkpoint)."""
+        self._prefetch.restart()
         with torch.no_grad():
             for u in self._units:
                 names = [f"{u.path}.{n}" if u.path else n for n in u.names]

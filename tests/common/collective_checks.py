@@ -212,11 +212,22 @@ def reducescatter_all(comm):
                     got = comm.reducescatter(inputs[me], op=_op(op))
                     mine = [x[_slice_of(rows, size, me)] for x in inputs]
                     assert_reduced(got, mine, op, what=what)
+                    _check_in_place_reducescatter(comm, inputs[me], mine, op, what)
     rows = size * 2 + 1
     inputs = _inputs(comm, (rows, 2), "float64", "Sum", "rs-scaled")
     got = comm.reducescatter(inputs[me], op=rs.Sum, prescale_factor=2.0, postscale_factor=0.25)
     assert_reduced(got, [x[_slice_of(rows, size, me)] for x in inputs], "Sum", 2.0, 0.25,
                    what="scaled reducescatter")
+
+
+def _check_in_place_reducescatter(comm, x, mine, op, what):
+    """reducescatter_ works in x itself: the share is x's first rows, and equals the
+    out-of-place result."""
+    work = x.copy()
+    got = comm.reducescatter_(work, op=_op(op))
+    assert got.shape[0] == mine[0].shape[0] and \
+        (got.size == 0 or got.ctypes.data == work.ctypes.data), f"{what}: not x's first rows"
+    assert_reduced(got, mine, op, what=f"in place {what}")
 
 
 def _splits(sender, size, salt):

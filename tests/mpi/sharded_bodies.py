@@ -85,6 +85,30 @@ def _reference(kind, steps=STEPS, dtype=torch.float64, extra_dtype=None):
     return model, opt
 
 
+def bfloat16_parameters():
+    """bfloat16 parameters at stages 1 and 2: each rank steps a float32 master of its
+    pieces and writes it back rounded; every rank ends with the same parameters, close to
+    the float32 run (the master keeps what bfloat16 rounds away)."""
+    hvd.init()
+    ref, _ = _reference("adam", dtype=torch.float32)
+    for stage in (1, 2):
+        model = _Model(torch.bfloat16)
+        opt = hvd.ShardedOptimizer(_optimizer(model, "adam"), stage=stage, bucket_cap_mb=TINY)
+        _train(model, opt, STEPS)
+        what = f"bfloat16 stage {stage}"
+        for s in opt._shards:
+            assert s.master.dtype == torch.float32 and not s.is_view, what
+            a, b = s.ranges[0] if s.ranges else (0, 0)
+            assert torch.equal(s.run.flat[a: b], s.master.detach().to(torch.bfloat16)), what
+        assert any(not torch.equal(s.master.detach(), s.master.detach().bfloat16().float())
+                   for s in opt._shards), f"{what}: the masters hold nothing beyond bfloat16"
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).float()
+        everyone = hvd.allgather(flat.unsqueeze(0), name=f"bf16.params.{stage}")
+        assert all(torch.equal(row, flat) for row in everyone), f"{what}: ranks differ"
+        _same_parameters(model, ref, 5e-2, what)
+    hvd.shutdown()
+
+
 def same_as_distributed_optimizer():
     """Stages 1 and 2, offload on and off, Adam and SGD with Nesterov momentum: the same
     parameters as DistributedOptimizer to 1e-10, lr schedules included; memory() per rank;
@@ -110,8 +134,11 @@ def same_as_distributed_optimizer():
             mem = opt.memory()
             full_params = sum(p.numel() * 8 for p in model.parameters())
             slack = 8 * buckets  # (the first ranks own one element more of each bucket)
-            assert full_params + 605 // size * 8 - slack <= mem["parameters"] <= \
-                full_params + trainable / size + 2 * slack, (what, mem)
+            if offload:  # (a master copy of this rank's pieces, apart)
+                assert full_params + 605 // size * 8 - slack <= mem["parameters"] <= \
+                    full_params + trainable / size + 2 * slack, (what, mem)
+            else:  # (the pieces are stepped in place: no second copy of any)
+                assert mem["parameters"] == full_params, (what, mem)
             assert mem["optimizer_state"] <= unsharded_state / size + 64 + 2 * slack, \
                 (what, mem, unsharded_state)
             if stage == 1:
@@ -222,6 +249,11 @@ def bad_arguments():
     _raises(lambda: opt.load_state_dict({"nonsense": 1}), "expected a ShardedOptimizer")
     with opt.skip_synchronize():
         _raises(opt.step, "needs a synchronize() first")
+    # parameters a live ShardedOptimizer averages and steps: a second wrapper is refused
+    # (the gradients would be averaged twice, the parameters stepped twice)
+    _raises(make, "is already taken by a ShardedOptimizer, which steps it")
+    _raises(lambda: hvd.DistributedOptimizer(_optimizer(model, "sgd"), model.named_parameters()),
+            "'grad.l1.weight' is already taken by a ShardedOptimizer, which averages")
     hvd.shutdown()
 
 
@@ -267,6 +299,36 @@ def _stage3_optimizer(sharded, kind):
     for path, piece, _ in sharded.units():
         by_path.setdefault(path, []).append(piece)
     return _grouped_optimizer(kind, by_path["l1"], by_path["l2"] + by_path[""])
+
+
+def _chain():
+    torch.manual_seed(5)
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 9),
+                               torch.nn.Tanh(), torch.nn.Linear(9, 3)).double()
+
+
+def _prefetches_and_stays_exact():
+    """From the second pass on, forward's gathers and backward's (the two last Linears'
+    weights are saved for backward) are started ahead, while the unit before them runs;
+    the parameters stay DistributedOptimizer's."""
+    ref, chain = _chain(), hvd.ShardedModule(_chain())
+    ref_opt = hvd.DistributedOptimizer(torch.optim.SGD(ref.parameters(), lr=0.1),
+                                       ref.named_parameters())
+    opt = hvd.ShardedOptimizer(torch.optim.SGD(chain.parameters(), lr=0.1), stage=3)
+    taken, take = [], chain._prefetch.take
+    chain._prefetch.take = lambda unit, phase: taken.append((phase, take(unit, phase))) \
+        or taken[-1][1]
+    for step in range(3):
+        x = torch.randn(4, 5, dtype=torch.float64,
+                        generator=torch.Generator().manual_seed(10 * hvd.rank() + step))
+        for model, o in ((ref, ref_opt), (chain, opt)):
+            o.zero_grad()
+            model(x).square().sum().backward()
+            o.step()
+    ahead = {phase: sum(h is not None for p, h in taken if p == phase)
+             for phase in ("gather", "regather")}
+    assert ahead == {"gather": 2 * 2, "regather": 2 * 1}, (ahead, taken)
+    _same_as_whole(chain, ref, 1e-10, "stage 3 with prefetch")
 
 
 def _train_whole(model, opt, steps):
@@ -343,6 +405,7 @@ def stage3_details():
         again.step()
         sched.step()
     _same_as_whole(resumed, ref, 1e-10, "stage 3 resumed from state_dict()")
+    _prefetches_and_stays_exact()
     if size > 1:
         other = broadcast_object(saved_opt, 1, name="stage3.rank1")
         if me != 1:
@@ -379,6 +442,16 @@ def stage3_details():
                                          offload=True), "offload=True is not supported")
     with sharded.gathered_parameters():
         _raises(lambda: sharded.gathered_parameters().__enter__(), "already inside one")
+    # a ShardedModule's backward averages its slices' gradients: DistributedOptimizer
+    # would average them again; one ShardedOptimizer steps them, a second would again
+    _raises(lambda: hvd.DistributedOptimizer(_stage3_optimizer(sharded, "sgd")),
+            "is already taken by a ShardedModule, which averages its gradient")
+    _raises(lambda: hvd.ShardedOptimizer(_stage3_optimizer(sharded, "sgd"), stage=3),
+            "is already taken by a ShardedOptimizer, which steps it")  # (opt, above)
+    import gc
+    del opt
+    gc.collect()
+    hvd.ShardedOptimizer(_stage3_optimizer(sharded, "sgd"), stage=3)  # (opt is gone)
     hvd.shutdown()
 
 
@@ -411,7 +484,7 @@ def reductions_start_during_backward():
                 assert all(p.grad is None for p in (m.l1.weight, m.l1.bias, m.l2.weight)), \
                     "stage 2: gradients were not taken during backward"
                 started = 4 if hvd.rank() == 0 else 3
-                assert len(opt._inflight) == started, opt._inflight.keys()
+                assert len(opt._reductions.inflight) == started, opt._reductions.inflight.keys()
             o.step()
     _same_parameters(model, ref, 1e-10, "backward_passes_per_step=2")
     # A second ShardedOptimizer over the same parameters: the dropped first one's hooks

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.requires_mpirun
 
 MODULE = "tests.mpi.sharded_bodies"
 ENV = {"RINGSYNC_TIMEOUT_SECONDS": "60", "OMP_NUM_THREADS": "1"}
-BODIES = ["same_as_distributed_optimizer", "state_dicts_and_mixed_dtypes", "bad_arguments",
+BODIES = ["same_as_distributed_optimizer", "bfloat16_parameters", "state_dicts_and_mixed_dtypes", "bad_arguments",
           "on_a_process_set", "reductions_start_during_backward",
           "stage3_same_as_distributed_optimizer", "stage3_details"]
 

@@ -65,6 +65,10 @@ def _reducescatter_matrix(comm):
         # rank r takes the r-th of the even split, the first ranks one row more
         mine = [np.array_split(x, size)[me] for x in inputs]
         assert_reduced(got, mine, op, pre, post, what=f"rank {me}: {what}")
+        work = inputs[me].copy()  # in place: the input is the work space
+        got = comm.reducescatter_(work, op=getattr(rs, op), prescale_factor=pre,
+                                  postscale_factor=post, name=f"in place {what}")
+        assert_reduced(got, mine, op, pre, post, what=f"rank {me}: in place {what}")
 
 
 @pytest.mark.parametrize("layout", ["2x2", "3x2", "2x3"])
