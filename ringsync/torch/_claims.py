@@ -11,10 +11,26 @@ AVERAGED = "_ringsync_averaged_by"  # ShardedModule, ShardedOptimizer stages 1 a
 STEPPED = "_ringsync_stepped_by"  # ShardedOptimizer, every stage
 
 
+class _Mark:
+    """A weak reference to the wrapper holding a parameter, stored on the parameter. It
+    pickles as a dead mark (torch.save(model) pickles the parameters' attributes, and a
+    weak reference cannot be pickled; a saved model's parameters belong to no wrapper)."""
+    __slots__ = ("ref",)
+
+    def __init__(self, wrapper=None):
+        self.ref = weakref.ref(wrapper) if wrapper is not None else None
+
+    def __reduce__(self):
+        return _Mark, ()
+
+    def wrapper(self):
+        return self.ref() if self.ref is not None else None
+
+
 def holder(p, kind):
     """The live wrapper that marked p as `kind`, or None."""
-    ref = getattr(p, kind, None)
-    return ref() if ref is not None else None
+    mark = getattr(p, kind, None)
+    return mark.wrapper() if mark is not None else None
 
 
 def refuse_held(params, names, kind, me, what):
@@ -32,4 +48,4 @@ def refuse_held(params, names, kind, me, what):
 
 def claim(params, kind, me):
     for p in params:
-        setattr(p, kind, weakref.ref(me))
+        setattr(p, kind, _Mark(me))

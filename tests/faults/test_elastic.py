@@ -337,12 +337,14 @@ def _max_error(params, reference):
     return max(abs(a - b) for pa, pb in zip(params, reference) for a, b in zip(pa, pb))
 
 
-def _torch_reference(sizes):
-    """One process replaying the global batches of the steps as they were finally run."""
+def _torch_reference(sizes, make_optimizer=None):
+    """One process replaying the global batches of the steps as they were finally run
+    (with SGD and momentum, or make_optimizer(parameters)'s optimizer)."""
     import torch
     x, y = _torch_data()
     model = _torch_model(100)  # rank 0's initial parameters, which sync() gives everyone
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = make_optimizer(model.parameters()) if make_optimizer else \
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for step, size in enumerate(sizes):
         rows = sum((_rows(step, size, r) for r in range(size)), [])
         opt.zero_grad()

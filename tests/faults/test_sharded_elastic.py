@@ -12,6 +12,7 @@ import pytest
 
 from tests.faults.test_elastic import (COMMIT_EVERY, TORCH_STEPS, _max_error, _rows,
                                        _step_done, _torch_data, _torch_model,
+                                       _torch_reference,
                                        assert_survivors_agree, die, original_rank, run_job,
                                        write_record)
 
@@ -70,15 +71,7 @@ def sharded_training(stage: str, marker: str = ""):
 def _replay(sizes):
     """One process with Adam over the global batch of each step, as the steps were run."""
     import torch
-    x, y = _torch_data()
-    model = _torch_model(100)
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
-    for step, size in enumerate(sizes):
-        rows = sum((_rows(step, size, r) for r in range(size)), [])
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
-        opt.step()
-    return [p.detach().reshape(-1).tolist() for p in model.parameters()]
+    return _torch_reference(sizes, lambda params: torch.optim.Adam(params, lr=LR))
 
 
 @pytest.mark.parametrize("stage", [2, 3])

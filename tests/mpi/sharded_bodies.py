@@ -3,6 +3,7 @@ mpirun: the same parameters as DistributedOptimizer after several steps, memory(
 state dicts, bad input.
 Data differs by rank; the model's parameter sizes divide by neither 2 nor 3."""
 import copy
+import io
 
 import torch
 
@@ -254,6 +255,11 @@ def bad_arguments():
     _raises(make, "is already taken by a ShardedOptimizer, which steps it")
     _raises(lambda: hvd.DistributedOptimizer(_optimizer(model, "sgd"), model.named_parameters()),
             "'grad.l1.weight' is already taken by a ShardedOptimizer, which averages")
+    saved = io.BytesIO()  # (the marks on the parameters pickle: a whole model saves)
+    torch.save(model, saved)
+    saved.seek(0)
+    again = torch.load(saved, weights_only=False)
+    hvd.DistributedOptimizer(_optimizer(again, "sgd"), again.named_parameters())
     hvd.shutdown()
 
 
