@@ -120,24 +120,54 @@ def _shared_part(part):
 
 
 def _pass_right(part, comm):
-    """Send `part` to the next rank of the ring, receive the previous rank's."""
+    """Send `part` to the next rank of the ring and receive the previous rank's: first
+    its layout and whole values (pickled, small), then each piece's tensor as it is (no
+    pickled copy of the bulk). Unnamed messages between two ranks match in order."""
     me, size = comm.rank(), comm.size()
     right, left = (me + 1) % size, (me - 1) % size  # (the ring's own numbering, as send's)
+    pieces = [piece for entries in part["pieces"].values() for piece in entries]
+    layout = {"pieces": {key: [{k: v for k, v in piece.items() if k != "tensor"}
+                               | {"dtype": piece["tensor"].dtype}
+                               for piece in entries]
+                         for key, entries in part["pieces"].items()},
+              "whole": part["whole"], "rest": {k: v for k, v in part.items()
+                                               if k not in ("pieces", "whole")}}
+    theirs = _exchange_bytes(_pickled(layout), right, left)
+    received = {key: [_empty_piece(piece) for piece in entries]
+                for key, entries in theirs["pieces"].items()}
+    handles = [mpi_ops.send_async(piece["tensor"], right) for piece in pieces
+               if piece["b"] > piece["a"]]
+    handles += [mpi_ops.recv_async(piece["tensor"], left)
+                for entries in received.values() for piece in entries
+                if piece["b"] > piece["a"]]
+    for handle in handles:
+        mpi_ops.synchronize(handle)
+    return dict(theirs["rest"], pieces=received, whole=theirs["whole"])
+
+
+def _empty_piece(layout):
+    """A piece of the given layout, its tensor to be received."""
+    fields = {k: v for k, v in layout.items() if k != "dtype"}
+    return dict(fields, tensor=torch.empty(layout["b"] - layout["a"], dtype=layout["dtype"]))
+
+
+def _pickled(value):
     buffer = io.BytesIO()
-    torch.save(part, buffer)
-    data = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
-    length = torch.tensor([data.numel()], dtype=torch.int64)
+    torch.save(value, buffer)
+    return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+
+
+def _exchange_bytes(data, right, left):
+    """Send data (uint8) right, receive the left rank's, unpickled."""
     theirs = torch.empty(1, dtype=torch.int64)
-    _exchange(length, right, theirs, left, "length")
+    _exchange(torch.tensor([data.numel()], dtype=torch.int64), right, theirs, left)
     received = torch.empty(int(theirs.item()), dtype=torch.uint8)
-    _exchange(data, right, received, left, "part")
+    _exchange(data, right, received, left)
     return torch.load(io.BytesIO(received.numpy().tobytes()), weights_only=True)
 
 
-def _exchange(send, right, recv, left, what):
-    name = f"ringsync.elastic.sharded.copy.{what}"
-    handles = [mpi_ops.send_async(send, right, name=name),
-               mpi_ops.recv_async(recv, left, name=name)]
+def _exchange(send, right, recv, left):
+    handles = [mpi_ops.send_async(send, right), mpi_ops.recv_async(recv, left)]
     for handle in handles:
         mpi_ops.synchronize(handle)
 
