@@ -121,34 +121,34 @@ def _shared_part(part):
 
 def _pass_right(part, comm):
     """Send `part` to the next rank of the ring and receive the previous rank's: first
-    its layout and whole values (pickled, small), then each piece's tensor as it is (no
-    pickled copy of the bulk). Unnamed messages between two ranks match in order."""
+    its layout and whole values (pickled, small), then its pieces laid end to end, one
+    message per dtype (no pickled copy of the bulk, and a handful of messages whatever
+    the number of pieces). Unnamed messages between two ranks match in order."""
     me, size = comm.rank(), comm.size()
     right, left = (me + 1) % size, (me - 1) % size  # (the ring's own numbering, as send's)
-    pieces = [piece for entries in part["pieces"].values() for piece in entries]
-    layout = {"pieces": {key: [{k: v for k, v in piece.items() if k != "tensor"}
-                               | {"dtype": piece["tensor"].dtype}
-                               for piece in entries]
-                         for key, entries in part["pieces"].items()},
-              "whole": part["whole"], "rest": {k: v for k, v in part.items()
-                                               if k not in ("pieces", "whole")}}
+    pieces = [(key, piece) for key, entries in part["pieces"].items() for piece in entries]
+    layout = {"pieces": [(key, {k: v for k, v in piece.items() if k != "tensor"},
+                          piece["tensor"].dtype) for key, piece in pieces],
+              "whole": part["whole"],
+              "rest": {k: v for k, v in part.items() if k not in ("pieces", "whole")}}
     theirs = _exchange_bytes(_pickled(layout), right, left)
-    received = {key: [_empty_piece(piece) for piece in entries]
-                for key, entries in theirs["pieces"].items()}
-    handles = [mpi_ops.send_async(piece["tensor"], right) for piece in pieces
-               if piece["b"] > piece["a"]]
-    handles += [mpi_ops.recv_async(piece["tensor"], left)
-                for entries in received.values() for piece in entries
-                if piece["b"] > piece["a"]]
+    sending, sizes = {}, {}  # dtype -> my pieces, in order; dtype -> elements coming
+    for _, piece in pieces:
+        sending.setdefault(piece["tensor"].dtype, []).append(piece["tensor"])
+    for _, fields, dtype in theirs["pieces"]:
+        sizes[dtype] = sizes.get(dtype, 0) + fields["b"] - fields["a"]
+    receiving = {dtype: torch.empty(n, dtype=dtype) for dtype, n in sizes.items()}
+    handles = [mpi_ops.send_async(torch.cat(group), right) for group in sending.values()]
+    handles += [mpi_ops.recv_async(flat, left) for flat in receiving.values()]
     for handle in handles:
         mpi_ops.synchronize(handle)
+    received, at = {}, dict.fromkeys(sizes, 0)
+    for key, fields, dtype in theirs["pieces"]:  # (each piece a view of its dtype's buffer)
+        n = fields["b"] - fields["a"]
+        received.setdefault(key, []).append(
+            dict(fields, tensor=receiving[dtype][at[dtype]: at[dtype] + n]))
+        at[dtype] += n
     return dict(theirs["rest"], pieces=received, whole=theirs["whole"])
-
-
-def _empty_piece(layout):
-    """A piece of the given layout, its tensor to be received."""
-    fields = {k: v for k, v in layout.items() if k != "dtype"}
-    return dict(fields, tensor=torch.empty(layout["b"] - layout["a"], dtype=layout["dtype"]))
 
 
 def _pickled(value):

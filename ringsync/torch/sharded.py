@@ -1,26 +1,27 @@
 """ShardedOptimizer: ZeRO stages 1, 2 (and 3, with ShardedModule) for PyTorch, built from
-the core's allreduce, reducescatter and allgather over a process set.
+the core's allreduce, reducescatter and broadcast over a process set.
 
 The trainable parameters are laid end to end, one flat run per dtype (in the optimizer's
-parameter order), cut into buckets at parameter boundaries (bucket_cap_mb, as DDP's), and
-each rank of the set owns one contiguous piece of every bucket, split as even_split splits
-(the first ranks one element more): balanced by bytes. Each rank keeps a master copy of its
-pieces only (fp32 for fp16/bf16 parameters), and a new optimizer of the wrapped one's class,
-with the same hyperparameters per param group, is built over them — so torch's own
-Adam/SGD/... arithmetic runs unchanged, and its state (momentum, exp_avg, ...) exists for
-this rank's pieces only.
+parameter order; every parameter becomes a view of the run's buffer), cut into buckets at
+parameter boundaries (bucket_cap_mb, as DDP's), and each rank of the set owns one
+contiguous piece of every bucket, split as even_split splits (the first ranks one element
+more): balanced by bytes. A new optimizer of the wrapped one's class, with the same
+hyperparameters per param group, is built over this rank's pieces — views of the
+parameters themselves, stepped in place; a separate fp32 master copy only for fp16/bf16
+parameters or offload — so torch's own Adam/SGD/... arithmetic runs unchanged, and its
+state (momentum, exp_avg, ...) exists for this rank's pieces only.
 
 Gradients are averaged over the set (as DistributedOptimizer's op=Average) bucket by
 bucket, starting during backward: a gradient hook starts a bucket's reduction as soon as
 its last gradient is ready (after backward_passes_per_step passes).
 - stage 1: each bucket is allreduced (p.grad then holds the average, as with
   DistributedOptimizer); this rank's piece of it feeds its optimizer.
-- stage 2: each bucket is reduce-scattered: each rank receives its piece of the average,
-  and the bucket's p.grad are dropped (set to None) as it starts, so a rank holds the
-  gradients of the buckets backward has not finished yet, plus its pieces.
+- stage 2: each bucket is reduce-scattered in place: each rank keeps its piece of the
+  average, and the bucket's p.grad are dropped (set to None) as it starts, so a rank holds
+  the gradients of the buckets backward has not finished yet, plus its pieces.
 step() waits for the reductions (starting those backward did not: a parameter with no
-gradient on this rank counts as zeros), steps this rank's pieces, and allgathers every
-bucket back into the full parameters.
+gradient on this rank counts as zeros), steps this rank's pieces, and each rank's pieces
+are broadcast from it straight into everyone's parameters (no gathered copy of a bucket).
 - stage 3: the parameters are a ShardedModule's slices (sharded_module.py), whose backward
   pass reduce-scattered their gradients already: step() steps them with the wrapped
   optimizer itself, and the next forward gathers them.
@@ -92,13 +93,20 @@ class _Run:
 
 
 def _cut(offsets, cap):
-    """Bucket boundaries over parameters whose elements start at offsets[:-1]."""
-    buckets, first = [], 0
-    for i in range(1, len(offsets)):
-        if offsets[i] - offsets[first] > cap and i - 1 > first:
-            buckets.append((first, i - 1))
-            first = i - 1
-    return buckets + [(first, len(offsets) - 1)] if len(offsets) > 1 else buckets
+    """Bucket boundaries over parameters whose elements start at offsets[:-1]: consecutive
+    parameters up to `cap` elements together, and a parameter of at least half the cap in
+    a bucket of its own — its gradient is then reduced where autograd left it, with no
+    copy into a bucket buffer (which would hold a large gradient twice)."""
+    buckets, first, count = [], 0, len(offsets) - 1
+    for i in range(count):
+        alone = 2 * (offsets[i + 1] - offsets[i]) >= cap
+        if i > first and (alone or offsets[i + 1] - offsets[first] > cap):
+            buckets.append((first, i))
+            first = i
+        if alone:
+            buckets.append((i, i + 1))
+            first = i + 1
+    return buckets + [(first, count)] if first < count else buckets
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -505,8 +513,15 @@ class _Reductions:
 def _flat_gradients(members, start):
     """The gradients of members ((parameter, offset) pairs, consecutive from `start`) laid
     end to end, zeros where a parameter has none, each p.grad dropped once copied: the
-    gradients are never held twice (the new buffer's pages cost memory only as written)."""
-    last, end = members[-1]
+    gradients are never held twice (the new buffer's pages cost memory only as written).
+    A bucket of one parameter whose gradient is dense and contiguous: that gradient itself
+    (the caller reduces it in place)."""
+    (first, _), (last, end) = members[0], members[-1]
+    grad = first.grad
+    if len(members) == 1 and grad is not None and grad.layout == torch.strided and \
+            grad.is_contiguous() and grad.dtype == first.dtype:
+        first.grad = None
+        return grad.view(-1)
     flat = torch.empty(end + last.numel() - start, dtype=last.dtype, device=last.device)
     for p, off in members:
         piece = flat[off - start: off - start + p.numel()]
