@@ -20,9 +20,10 @@ from ringsync._context import resolve
 from ringsync.errors import RingsyncError
 from ringsync.objects import allgather_object
 
+from ringsync.checkpoint import Parts, Reader
+
 from . import mpi_ops
 from .checkpoint import CODEC, _load_module, _load_optimizer, _save_module, _save_optimizer
-from ringsync.checkpoint import Parts, Reader
 
 REPLICATED = "model.state"  # (a plain module's whole state_dict: every rank holds it)
 
@@ -131,12 +132,18 @@ def _pass_right(part, comm):
                           piece["tensor"].dtype) for key, piece in pieces],
               "whole": part["whole"],
               "rest": {k: v for k, v in part.items() if k not in ("pieces", "whole")}}
-    theirs = _exchange_bytes(_pickled(layout), right, left)
+    mine = _pickled(layout)
+    theirs = _exchange_bytes(mine, right, left, most=4 * mine.numel() + (1 << 20))
     sending, sizes = {}, {}  # dtype -> my pieces, in order; dtype -> elements coming
     for _, piece in pieces:
         sending.setdefault(piece["tensor"].dtype, []).append(piece["tensor"])
-    for _, fields, dtype in theirs["pieces"]:
+    for _, fields, dtype in _checked_layout(theirs, left):
         sizes[dtype] = sizes.get(dtype, 0) + fields["b"] - fields["a"]
+    own = sum(piece["tensor"].numel() * piece["tensor"].element_size() for _, piece in pieces)
+    coming = sum(n * torch.empty(0, dtype=d).element_size() for d, n in sizes.items())
+    if coming > 2 * own + (1 << 20):  # (neighbours' parts differ by an element per bucket)
+        raise RingsyncError(f"ringsync.elastic: rank {left} announces {coming} bytes of "
+                                 f"sharded state to copy, this rank holds {own}: refused")
     receiving = {dtype: torch.empty(n, dtype=dtype) for dtype, n in sizes.items()}
     handles = [mpi_ops.send_async(torch.cat(group), right) for group in sending.values()]
     handles += [mpi_ops.recv_async(flat, left) for flat in receiving.values()]
@@ -157,13 +164,34 @@ def _pickled(value):
     return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
 
 
-def _exchange_bytes(data, right, left):
-    """Send data (uint8) right, receive the left rank's, unpickled."""
+def _exchange_bytes(data, right, left, most):
+    """Send data (uint8) right, receive the left rank's (at most `most` bytes), unpickled
+    (weights_only: plain values and tensors, nothing that runs code)."""
     theirs = torch.empty(1, dtype=torch.int64)
     _exchange(torch.tensor([data.numel()], dtype=torch.int64), right, theirs, left)
-    received = torch.empty(int(theirs.item()), dtype=torch.uint8)
+    length = int(theirs.item())
+    if not 0 < length <= most:
+        raise RingsyncError(f"ringsync.elastic: rank {left} announces a {length}-byte "
+                                 f"layout of its sharded state (at most {most} expected)")
+    received = torch.empty(length, dtype=torch.uint8)
     _exchange(data, right, received, left)
     return torch.load(io.BytesIO(received.numpy().tobytes()), weights_only=True)
+
+
+def _checked_layout(theirs, left):
+    """The pieces a peer announces, each an element range inside its tensor's size, of a
+    torch dtype (RingsyncError naming the peer and the entry otherwise: not a lost rank,
+    which recovery would answer by rebuilding the same ring)."""
+    entries = theirs.get("pieces") if isinstance(theirs, dict) else None
+    for entry in entries if isinstance(entries, list) else [None]:
+        fine = isinstance(entry, tuple) and len(entry) == 3 and isinstance(entry[1], dict) \
+            and isinstance(entry[2], torch.dtype) and \
+            all(isinstance(entry[1].get(k), int) for k in ("a", "b", "total")) and \
+            0 <= entry[1]["a"] <= entry[1]["b"] <= entry[1]["total"]
+        if not fine:
+            raise RingsyncError(f"ringsync.elastic: rank {left} sent a malformed layout "
+                                     f"of its sharded state (entry {str(entry)[:200]})")
+    return entries
 
 
 def _exchange(send, right, recv, left):
