@@ -414,13 +414,21 @@ def torch_training(marker: str = ""):
 def test_torch_state_after_a_kill_mid_allreduce(tmp_path):
     result, records = run_job(tmp_path, torch_training, 4, RINGSYNC_TEST_VICTIM=2,
                               RINGSYNC_TEST_KILL_STEP=6)
-    assert_survivors_agree(result, records, 3)
+    assert_torch_replayed(result, records, 4, 3)
+
+
+def assert_torch_replayed(result, records, before, after):
+    """The survivors (`after` of `before` ranks) agree, equal one process replaying the
+    steps as they were run, ran the first commit interval on `before` ranks and the rest
+    on `after`, and redid at most one commit interval."""
+    assert_survivors_agree(result, records, after)
     for r in records:
         assert r["params"] == records[0]["params"], "parameters differ between survivors"
         assert r["error"] < 1e-10, r["error"]  # against one process replaying the steps
-        assert r["sizes"][:4] == [4] * 4 and set(r["sizes"][4:]) == {3}, r["sizes"]
+        assert r["sizes"][:COMMIT_EVERY] == [before] * COMMIT_EVERY and \
+            set(r["sizes"][COMMIT_EVERY:]) == {after}, r["sizes"]
     redone = records[0]["steps_run"] - TORCH_STEPS
-    assert 0 < redone <= COMMIT_EVERY
+    assert 0 < redone <= COMMIT_EVERY  # rolled back to the commit before the kill
 
 
 def test_respawn_returns_the_job_to_its_size(tmp_path):
